@@ -1,0 +1,59 @@
+"""Resolve a task name: a built-in name, or `module:function` returning a Task."""
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Callable, Dict
+
+from peer.tasks.base import Task
+
+
+class TaskLoadError(ValueError):
+    """The task named by --task cannot be built; the message says why and how to fix it."""
+
+
+def _bytelm(size: str) -> Callable[[], Task]:
+    def factory() -> Task:
+        from peer.tasks.bytelm import make_bytelm_task  # imported lazily: it scans the stdlib at build time
+
+        return make_bytelm_task(size)
+
+    return factory
+
+
+BUILTIN_TASKS: Dict[str, Callable[[], Task]] = {
+    "bytelm": _bytelm("small"),
+    "bytelm-tiny": _bytelm("tiny"),
+}
+DEFAULT_TASK = "bytelm"
+
+
+def load_task(name: str) -> Task:
+    """Build the task named `name`; raise TaskLoadError with a one-line reason on failure."""
+    if name in BUILTIN_TASKS:
+        return BUILTIN_TASKS[name]()
+    if ":" not in name:
+        close = difflib.get_close_matches(name, BUILTIN_TASKS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise TaskLoadError(
+            f"--task: unknown task {name!r}; {hint}use a built-in ({', '.join(BUILTIN_TASKS)}) "
+            f"or 'module:function' returning a peer.tasks.Task"
+        )
+    module_name, _, function_name = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # a user's module can raise anything on import
+        raise TaskLoadError(
+            f"--task: cannot import module {module_name!r} ({type(e).__name__}: {e}); "
+            f"check that it is importable (on PYTHONPATH) and imports cleanly"
+        ) from e
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise TaskLoadError(f"--task: module {module_name!r} has no callable {function_name!r}")
+    try:
+        task = factory()
+    except Exception as e:
+        raise TaskLoadError(f"--task: {name}() raised {type(e).__name__}: {e}") from e
+    if not isinstance(task, Task):
+        raise TaskLoadError(f"--task: {name}() returned {type(task).__name__}, expected peer.tasks.Task")
+    return task
