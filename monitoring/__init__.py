@@ -1,4 +1,22 @@
-"""Monitoring: phase timing, metrics and bottleneck classification. Imports nothing of ours."""
+"""Monitoring: phase timing, metrics, bottleneck classification and the metrics endpoint. Imports nothing of ours."""
+from monitoring.classifier import BottleneckChange, BottleneckClassifier
+from monitoring.exporter import MetricsExporter, MetricsPortInUseError
+from monitoring.health import HealthCheck
+from monitoring.metrics import CONTRACT_METRIC_NAMES, CONTRACT_METRICS, ROUND_OUTCOMES, PeerMetrics
 from monitoring.phases import CATEGORIES, CATEGORY_OF_PHASE, PHASES, PhaseTimer
 
-__all__ = ["CATEGORIES", "CATEGORY_OF_PHASE", "PHASES", "PhaseTimer"]
+__all__ = [
+    "CATEGORIES",
+    "CATEGORY_OF_PHASE",
+    "CONTRACT_METRICS",
+    "CONTRACT_METRIC_NAMES",
+    "PHASES",
+    "ROUND_OUTCOMES",
+    "BottleneckChange",
+    "BottleneckClassifier",
+    "HealthCheck",
+    "MetricsExporter",
+    "MetricsPortInUseError",
+    "PeerMetrics",
+    "PhaseTimer",
+]

@@ -1,0 +1,110 @@
+"""Signed, typed swarm records: who is in the run, and how each peer is doing.
+
+Each peer publishes a PeerInfo under the key "<run_id>_peers", in a subkey that holds its
+own RSA public key. hivemind's RSASignatureValidator then lets only the owner of that key
+write the subkey, and SchemaValidator rejects values of the wrong shape. hivemind's
+schema validation is built on pydantic v1 models, so these records use `pydantic.v1`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Dict, List, Optional
+
+import hivemind
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.utils import get_dht_time
+from pydantic.v1 import BaseModel, StrictBool, StrictStr, confloat, conint, conlist, constr
+
+logger = logging.getLogger(__name__)
+
+RECORD_TTL_SECONDS = 15.0
+PUBLISH_PERIOD_SECONDS = 3.0
+
+
+class PeerInfo(BaseModel):
+    """What one peer tells the swarm about itself."""
+
+    peer_id: constr(strict=True, max_length=128)
+    version: constr(strict=True, max_length=32)
+    device: constr(strict=True, max_length=128)
+    client_mode: StrictBool
+    samples_per_second: confloat(ge=0.0, strict=True)
+    global_epoch: conint(ge=0, strict=True)
+    uptime_seconds: confloat(ge=0.0, strict=True)
+    time: confloat(strict=True)
+    maddrs: conlist(constr(strict=True, max_length=256), max_items=16) = []
+    fractions: Dict[constr(strict=True, max_length=32), confloat(ge=0.0, le=1.0, strict=True)] = {}
+    bottleneck: Optional[constr(strict=True, max_length=32)] = None
+
+
+class SwarmRecordsSchema(BaseModel):
+    peers: Dict[BytesWithPublicKey, Optional[PeerInfo]]
+
+
+def records_key(run_id: str) -> str:
+    return f"{run_id}_peers"
+
+
+def record_validators(run_id: str) -> List:
+    """Validators every DHT node of the run must install: typed values in owner-signed subkeys."""
+    return [SchemaValidator(SwarmRecordsSchema, prefix=run_id), RSASignatureValidator()]
+
+
+def read_peer_infos(dht: hivemind.DHT, run_id: str, timeout_seconds: float = 10.0) -> Dict[bytes, PeerInfo]:
+    """Live, valid PeerInfo records of the run, by owner public key."""
+    found = dht.get(records_key(run_id), latest=True, return_future=True).result(timeout=timeout_seconds)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    now = get_dht_time()
+    infos = {}
+    for owner, entry in found.value.items():
+        if entry.expiration_time < now:
+            continue
+        try:
+            infos[owner] = PeerInfo.parse_obj(entry.value)
+        except Exception:  # a malformed value that slipped past an old validator: ignore, never crash
+            continue
+    return infos
+
+
+class PeerInfoPublisher(threading.Thread):
+    """Publishes this peer's record every few seconds until stopped."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        make_info: Callable[[], PeerInfo],
+        period_seconds: float = PUBLISH_PERIOD_SECONDS,
+        ttl_seconds: float = RECORD_TTL_SECONDS,
+    ):
+        super().__init__(name="PeerInfoPublisher", daemon=True)
+        self.dht, self.key, self.make_info = dht, records_key(run_id), make_info
+        self.period_seconds, self.ttl_seconds = period_seconds, ttl_seconds
+        self.owner_key = RSASignatureValidator().local_public_key
+        self._stop_event = threading.Event()
+
+    def publish_now(self, timeout_seconds: float = 10.0) -> bool:
+        try:
+            future = self.dht.store(
+                self.key,
+                subkey=self.owner_key,
+                value=self.make_info().dict(),
+                expiration_time=get_dht_time() + self.ttl_seconds,
+                return_future=True,
+            )
+            return bool(future.result(timeout=timeout_seconds))
+        except Exception as e:  # publishing is best-effort: training goes on without it
+            logger.debug(f"could not publish peer record: {e!r}")
+            return False
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.publish_now()
+            self._stop_event.wait(self.period_seconds)
+
+    def stop(self, timeout_seconds: float = 5.0) -> None:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout_seconds)

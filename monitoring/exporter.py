@@ -1,0 +1,167 @@
+"""HTTP endpoint of a peer: `GET /metrics` (Prometheus text format) and `GET /healthz`.
+
+It serves one given `CollectorRegistry` (never prometheus_client's global one) from a
+daemon thread, so a stuck scrape can never keep the process alive or block training.
+It must not compute metrics or decide health itself: it renders the registry and asks
+the health callable it was given.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import socketserver
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Optional, Tuple
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from monitoring.health import HealthCheck
+
+__all__ = ["HealthCheck", "HealthFn", "MetricsExporter", "MetricsPortInUseError"]
+
+logger = logging.getLogger(__name__)
+
+HealthFn = Callable[[], Tuple[bool, str]]
+"""Returns (ok, reason); `/healthz` answers 200 "ok" when ok, else 503 with the reason."""
+
+STOP_TIMEOUT_SECONDS = 5.0
+
+
+class MetricsPortInUseError(OSError):
+    """The metrics port is taken by another process (or another peer on this machine)."""
+
+
+def _always_healthy() -> Tuple[bool, str]:
+    return True, "ok"
+
+
+class MetricsExporter:
+    """Serves /metrics and /healthz on host:port from a daemon thread; port 0 picks a free port."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        port: int,
+        host: str = "0.0.0.0",
+        health: Optional[HealthFn] = None,
+    ) -> None:
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"metrics port must be an integer in 0..65535, 0 for any free port (got {port!r})")
+        self.registry = registry
+        self.port = port
+        self.host = host
+        self.health: HealthFn = health if health is not None else _always_healthy
+        self._server: Optional[ThreadingHTTPServer] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> int:
+        """Bind and start serving; returns the bound port. Raises MetricsPortInUseError if the port is taken."""
+        if self._server is not None:
+            raise RuntimeError("metrics exporter is already started")
+        try:
+            server_class = _Server6 if ":" in self.host else _Server
+            server = server_class((self.host, self.port), _Handler)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise MetricsPortInUseError(
+                    errno.EADDRINUSE,
+                    f"metrics port {self.port} on {self.host} is already in use; choose another port with "
+                    f"--metrics-port, or --metrics-port 0 to pick a free one",
+                ) from e
+            raise
+        server.exporter = self
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.5}, name="metrics-exporter", daemon=True
+        )
+        self._thread.start()
+        bound_port = server.server_address[1]
+        logger.info("serving /metrics and /healthz on http://%s:%d", self.host, bound_port)
+        return bound_port
+
+    @property
+    def bound_port(self) -> Optional[int]:
+        return self._server.server_address[1] if self._server is not None else None
+
+    def stop(self, timeout_seconds: float = STOP_TIMEOUT_SECONDS) -> None:
+        """Stop serving and close the socket, waiting at most about `timeout_seconds`. Safe to call twice."""
+        server, thread = self._server, self._thread
+        if server is None or thread is None:
+            return
+        self._server = self._thread = None
+        # BaseServer.shutdown() waits with no timeout; run it aside so this join stays bounded.
+        stopper = threading.Thread(target=server.shutdown, name="metrics-exporter-stop", daemon=True)
+        stopper.start()
+        stopper.join(timeout_seconds)
+        thread.join(timeout_seconds)
+        server.server_close()
+        if thread.is_alive():
+            logger.warning("metrics exporter thread did not stop within %.0fs; leaving it (daemon)", timeout_seconds)
+
+    def __enter__(self) -> "MetricsExporter":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a slow scraper must never keep the process alive
+    exporter: MetricsExporter
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind resolves the host's FQDN, which can stall for seconds without DNS.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    timeout = 10  # seconds a client may take to send its request
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            self._metrics()
+        elif path == "/healthz":
+            self._healthz()
+        else:
+            self._reply(404, b"not found; try /metrics or /healthz\n")
+
+    def _metrics(self) -> None:
+        try:
+            body = generate_latest(self.server.exporter.registry)
+        except Exception as e:  # a broken collector must not kill the endpoint
+            logger.exception("rendering /metrics failed")
+            self._reply(500, f"rendering metrics failed: {type(e).__name__}\n".encode())
+            return
+        self._reply(200, body, CONTENT_TYPE_LATEST)
+
+    def _healthz(self) -> None:
+        try:
+            ok, reason = self.server.exporter.health()
+        except Exception as e:
+            ok, reason = False, f"health check failed: {type(e).__name__}: {e}"
+        if ok:
+            self._reply(200, b"ok\n")
+        else:
+            line = " ".join(str(reason).split()) or "unhealthy"
+            self._reply(503, (line + "\n").encode())
+
+    def _reply(self, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (http.server's signature)
+        logger.debug("%s %s", self.address_string(), format % args)

@@ -1,0 +1,46 @@
+"""Liveness of the training loop, as served on `/healthz`.
+
+The training loop calls `HealthCheck.beat()` whenever it makes progress; the exporter calls
+the check to answer `/healthz`. It must not inspect the swarm, the DHT or the device: a peer
+that waits for others still beats (or is judged by the window the operator chose).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional, Tuple
+
+
+class HealthCheck:
+    """Healthy while the last beat is at most `window_seconds` old; a start-up grace of one window before the first."""
+
+    def __init__(self, window_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not window_seconds > 0:
+            raise ValueError(f"window_seconds must be > 0 (got {window_seconds!r})")
+        self.window_seconds = float(window_seconds)
+        self._clock = clock
+        self._created_at = clock()
+        self._last_beat: Optional[float] = None
+        self._lock = threading.Lock()
+
+    def beat(self) -> None:
+        """The training loop made progress (a step, a round, a loaded state)."""
+        now = self._clock()
+        with self._lock:
+            self._last_beat = now
+
+    def __call__(self) -> Tuple[bool, str]:
+        """(ok, reason): the reason is one line for a person, e.g. "no training progress for 93s (window 60s)"."""
+        now = self._clock()
+        with self._lock:
+            last_beat = self._last_beat
+        window = f"window {self.window_seconds:g}s"
+        if last_beat is None:
+            waited = now - self._created_at
+            if waited <= self.window_seconds:
+                return True, f"starting: no training step yet ({waited:.0f}s since start, {window})"
+            return False, f"training loop has not started ({waited:.0f}s since start, {window})"
+        idle = now - last_beat
+        if idle <= self.window_seconds:
+            return True, f"ok: last training progress {idle:.0f}s ago ({window})"
+        return False, f"no training progress for {idle:.0f}s ({window})"

@@ -1,0 +1,223 @@
+"""The metric contract of a peer: every Prometheus series it exports, defined in one place.
+
+Dashboards, alerts and tests depend on these names, label sets and label values; change
+them only together with `deploy/` and the tests. `PeerMetrics` registers everything on
+the `CollectorRegistry` it is given and never on prometheus_client's global registry.
+Label values come from small closed sets (phases, categories, outcomes), which are all
+pre-created, so every series exists from the first scrape.
+
+This module records values it is handed; it must not time anything, talk to the swarm,
+or import other packages of this project.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import Dict, Mapping, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from monitoring.phases import CATEGORIES, CATEGORY_OF_PHASE, PHASES
+
+ROUND_OUTCOMES = ("ok", "failed", "timeout", "skipped")
+"""Values of the `outcome` label of `peer_averaging_rounds_total`."""
+
+ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, math.inf)
+"""Averaging round durations: from a LAN round of tens of ms to a 5-minute timeout."""
+
+# Exposed names as written in PromQL (counters with `_total`; the histogram by its base
+# name, whose series are `_bucket`, `_sum` and `_count`), mapped to their Prometheus type.
+PEER_METRICS: Dict[str, str] = {
+    "peer_phase_seconds_total": "counter",
+    "peer_category_seconds_total": "counter",
+    "peer_category_fraction": "gauge",
+    "peer_bottleneck": "gauge",
+    "peer_samples_total": "counter",
+    "peer_local_steps_total": "counter",
+    "peer_global_epoch": "gauge",
+    "peer_train_loss": "gauge",
+    "peer_validation_loss": "gauge",
+    "peer_swarm_peers": "gauge",
+    "peer_swarm_samples_per_second": "gauge",
+    "peer_target_progress_ratio": "gauge",
+    "peer_averaging_rounds_total": "counter",
+    "peer_averaging_round_seconds": "histogram",
+    "peer_averaging_group_size": "gauge",
+    "peer_sent_bytes_total": "counter",
+    "peer_received_bytes_total": "counter",
+    "peer_info": "gauge",
+    "peer_gpu_memory_allocated_bytes": "gauge",
+    "peer_gpu_memory_peak_bytes": "gauge",
+}
+PROCESS_METRICS: Dict[str, str] = {
+    # From prometheus_client's ProcessCollector (Linux /proc); only these two are part of the contract.
+    "process_cpu_seconds_total": "counter",
+    "process_resident_memory_bytes": "gauge",
+}
+CONTRACT_METRICS: Dict[str, str] = {**PEER_METRICS, **PROCESS_METRICS}
+CONTRACT_METRIC_NAMES = tuple(CONTRACT_METRICS)
+
+INFO_LABELS = ("version", "device", "strategy", "compression")
+
+
+class PeerMetrics:
+    """All metrics of one peer, registered on `registry`; the training loop calls the methods below."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        r = registry
+        # Counters are declared without `_total`: prometheus_client appends it when exposing.
+        self.phase_seconds = Counter(
+            "peer_phase_seconds", "Exclusive wall seconds spent in each training-loop phase.", ["phase"], registry=r
+        )
+        self.category_seconds = Counter(
+            "peer_category_seconds",
+            "Exclusive wall seconds per category (preprocessing, compute, communication, other); "
+            "the sum of peer_phase_seconds_total over the phases of each category.",
+            ["category"],
+            registry=r,
+        )
+        self.category_fraction = Gauge(
+            "peer_category_fraction",
+            "Fraction of wall time spent in each category over the classifier's sliding window; "
+            "time outside any timed phase counts as other.",
+            ["category"],
+            registry=r,
+        )
+        self.bottleneck = Gauge(
+            "peer_bottleneck", "1 for the category that currently dominates this peer's time, 0 for the others.",
+            ["category"], registry=r,
+        )
+        self.samples = Counter("peer_samples", "Training samples processed by this peer.", registry=r)
+        self.local_steps = Counter("peer_local_steps", "Local optimizer steps (batches) taken by this peer.",
+                                   registry=r)
+        self.global_epoch = Gauge("peer_global_epoch", "Global epoch (averaged update) this peer is at.", registry=r)
+        self.train_loss = Gauge("peer_train_loss", "Training loss of this peer's latest local step.", registry=r)
+        self.validation_loss = Gauge("peer_validation_loss", "Latest validation loss measured by this peer.",
+                                     registry=r)
+        self.swarm_peers = Gauge("peer_swarm_peers", "Peers of the swarm visible to this peer, itself included.",
+                                 registry=r)
+        self.swarm_samples_per_second = Gauge(
+            "peer_swarm_samples_per_second", "Training throughput of the whole swarm as this peer sees it.",
+            registry=r,
+        )
+        self.target_progress_ratio = Gauge(
+            "peer_target_progress_ratio",
+            "Samples the swarm has accumulated in this global epoch divided by the target batch size.",
+            registry=r,
+        )
+        self.averaging_rounds = Counter(
+            "peer_averaging_rounds", "Averaging rounds by outcome (ok, failed, timeout, skipped).", ["outcome"],
+            registry=r,
+        )
+        self.averaging_round_seconds = Histogram(
+            "peer_averaging_round_seconds",
+            "Duration of attempted averaging rounds (matchmaking and all-reduce); skipped rounds are not observed.",
+            buckets=ROUND_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.averaging_group_size = Gauge(
+            "peer_averaging_group_size", "Number of peers in this peer's latest averaging group.", registry=r
+        )
+        self.sent_bytes = Counter(
+            "peer_sent_bytes",
+            "Averaging payload bytes sent, after compression; computed from tensor sizes and the codec, "
+            "not measured on the wire (excludes protocol overhead, DHT and state-download traffic).",
+            registry=r,
+        )
+        self.received_bytes = Counter(
+            "peer_received_bytes",
+            "Averaging payload bytes received, after compression; computed from tensor sizes and the codec, "
+            "not measured on the wire (excludes protocol overhead, DHT and state-download traffic).",
+            registry=r,
+        )
+        self.info = Gauge(
+            "peer_info", "Constant 1, labelled with this peer's software version, device, strategy and compression.",
+            list(INFO_LABELS), registry=r,
+        )
+        self.gpu_memory_allocated = Gauge(
+            "peer_gpu_memory_allocated_bytes", "CUDA memory currently allocated by tensors of this process.",
+            registry=r,
+        )
+        self.gpu_memory_peak = Gauge(
+            "peer_gpu_memory_peak_bytes", "Peak CUDA memory allocated by tensors of this process.", registry=r
+        )
+        self.process = ProcessCollector(registry=r)
+
+        for phase in PHASES:
+            self.phase_seconds.labels(phase=phase)
+        for category in CATEGORIES:
+            self.category_seconds.labels(category=category)
+            self.category_fraction.labels(category=category)
+            self.bottleneck.labels(category=category)
+        for outcome in ROUND_OUTCOMES:
+            self.averaging_rounds.labels(outcome=outcome)
+        self.train_loss.set(math.nan)  # NaN, not 0, until a loss is known: 0 would read as a perfect model
+        self.validation_loss.set(math.nan)
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        """Add one slice of exclusive phase time; usable as a `PhaseTimer` listener."""
+        category = CATEGORY_OF_PHASE.get(phase)
+        if category is None:
+            raise ValueError(f"unknown phase {phase!r}; phases are {', '.join(PHASES)}")
+        seconds = max(0.0, seconds)  # a listener must never raise into the training loop over clock noise
+        self.phase_seconds.labels(phase=phase).inc(seconds)
+        self.category_seconds.labels(category=category).inc(seconds)
+
+    def record_step(self, samples: int, loss: float) -> None:
+        """One local step of `samples` samples ended with training loss `loss`."""
+        self.samples.inc(max(0, samples))
+        self.local_steps.inc()
+        self.train_loss.set(loss)
+
+    def set_global_epoch(self, epoch: int) -> None:
+        self.global_epoch.set(epoch)
+
+    def set_validation_loss(self, value: float) -> None:
+        self.validation_loss.set(value)
+
+    def set_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:
+        """What this peer sees of the swarm: visible peers, total throughput, progress toward the target batch."""
+        self.swarm_peers.set(peers)
+        self.swarm_samples_per_second.set(samples_per_second)
+        self.target_progress_ratio.set(progress_ratio)
+
+    def record_round(self, outcome: str, seconds: float, group_size: int, sent_bytes: int,
+                     received_bytes: int) -> None:
+        """One averaging round ended. Bytes are payload after compression, as computed by the caller."""
+        if outcome not in ROUND_OUTCOMES:
+            raise ValueError(f"unknown averaging outcome {outcome!r}; outcomes are {', '.join(ROUND_OUTCOMES)}")
+        self.averaging_rounds.labels(outcome=outcome).inc()
+        if outcome != "skipped":
+            self.averaging_round_seconds.observe(max(0.0, seconds))
+            if group_size > 0:
+                self.averaging_group_size.set(group_size)
+        self.sent_bytes.inc(max(0, sent_bytes))
+        self.received_bytes.inc(max(0, received_bytes))
+
+    def set_info(self, version: str, device: str, strategy: str, compression: str) -> None:
+        """Describe this peer; replaces any earlier description, so `peer_info` has exactly one series."""
+        self.info.clear()
+        self.info.labels(version=version, device=device, strategy=strategy, compression=compression).set(1)
+
+    def set_bottleneck(self, fractions: Mapping[str, float], dominant: Optional[str]) -> None:
+        """Publish the classifier's view: per-category fractions, and which category dominates (None: unknown)."""
+        if dominant is not None and dominant not in CATEGORIES:
+            raise ValueError(f"unknown category {dominant!r}; categories are {', '.join(CATEGORIES)}")
+        for category in CATEGORIES:
+            self.category_fraction.labels(category=category).set(fractions.get(category, 0.0))
+            self.bottleneck.labels(category=category).set(1 if category == dominant else 0)
+
+    def update_gpu_memory(self) -> bool:
+        """Read CUDA memory of the current device into the GPU gauges; returns False (and does nothing) off CUDA.
+
+        torch is looked up, not imported: if this process has not imported torch, CUDA cannot be
+        initialized either, and importing torch here would cost seconds for nothing.
+        """
+        torch = sys.modules.get("torch")
+        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return False
+        device = torch.cuda.current_device()
+        self.gpu_memory_allocated.set(torch.cuda.memory_allocated(device))
+        self.gpu_memory_peak.set(torch.cuda.max_memory_allocated(device))
+        return True

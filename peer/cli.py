@@ -1,0 +1,117 @@
+"""The `peer` command line: parse, resolve the config once, hand over.
+
+Flags are generated from the config models, so every config key has exactly one flag
+and one PEER_* environment variable. Flag values are passed through as given and
+validated together with the file and environment values, so that every problem is
+reported in one pass: one line each, exit code 2, no traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import click
+from click.core import ParameterSource
+
+from peer.config import CONFIG_FILE_ENV, OPTIONS, ConfigError, PeerConfig, load_config
+
+EXIT_BAD_INPUT = 2
+
+
+def config_options(command: Callable) -> Callable:
+    """Decorate a click command with --config and one flag per config field."""
+    for option in reversed(list(OPTIONS.values())):
+        help_text = f"{option.help} [env: {option.env}; config: {option.dotted}]"
+        if option.is_bool:
+            decls = [f"{option.flag}/--no-{option.flag[2:]}"]
+            command = click.option(*decls, option.name, default=None, help=help_text)(command)
+        else:
+            command = click.option(option.flag, option.name, default=None, metavar="VALUE", help=help_text)(command)
+    return click.option(
+        "--config",
+        "config_file",
+        default=None,
+        envvar=CONFIG_FILE_ENV,
+        type=click.Path(path_type=Path, dir_okay=False),
+        help=f"TOML or YAML file with [training], [averaging], [dht], ... sections. [env: {CONFIG_FILE_ENV}]",
+    )(command)
+
+
+def resolve_config(ctx: click.Context, params: Dict[str, Any]) -> PeerConfig:
+    """Build the PeerConfig from click's parameters; exit 2 with one line per problem."""
+    flags = {
+        name: value
+        for name, value in params.items()
+        if name in OPTIONS and ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
+    }
+    try:
+        return load_config(params.get("config_file"), dict(os.environ), flags)
+    except ConfigError as e:
+        for problem in e.problems:
+            click.echo(f"error: {problem}", err=True)
+        ctx.exit(EXIT_BAD_INPUT)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="swarmtrain", prog_name="peer", message="%(prog)s %(version)s")
+def cli() -> None:
+    """swarmtrain: train one PyTorch model together with a swarm of peers."""
+
+
+@cli.command()
+@config_options
+@click.pass_context
+def start(ctx: click.Context, **params: Any) -> None:
+    """Start a peer: join (or start) a swarm and train until stopped."""
+    config = resolve_config(ctx, params)
+    from peer.app import run_peer  # heavy imports (torch, hivemind) only after the config is valid
+
+    ctx.exit(run_peer(config))
+
+
+@cli.command(context_settings={"ignore_unknown_options": False})
+@click.option("--peers", "num_peers", type=click.IntRange(min=1, max=64), default=2, show_default=True,
+              help="How many peers to start on this machine.")
+@click.option("--summary-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Write each peer's summary to DIR/peer-<i>.json.")
+@config_options
+@click.pass_context
+def swarm(ctx: click.Context, num_peers: int, summary_dir: Optional[Path], **params: Any) -> None:
+    """Start N peers on this machine: the first bootstraps, the rest join it."""
+    config = resolve_config(ctx, params)
+    from peer.swarm import run_local_swarm
+
+    ctx.exit(run_local_swarm(config, num_peers, summary_dir, _start_args(ctx)))
+
+
+def _start_args(ctx: click.Context) -> List[str]:
+    """The `peer start` flags given to `peer swarm`, to pass on to each peer as typed."""
+    args: List[str] = []
+    for name, value in ctx.params.items():
+        if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
+            continue
+        if name == "config_file":
+            args += ["--config", str(value)]
+        elif name in OPTIONS:
+            option = OPTIONS[name]
+            if option.is_bool:
+                args.append(option.flag if value else f"--no-{option.flag[2:]}")
+            else:
+                args += [option.flag, str(value)]
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Entry point: click errors become one line and exit code 2."""
+    try:
+        code = cli.main(args=argv, prog_name="peer", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        code = e.exit_code
+    except click.ClickException as e:
+        click.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+        code = EXIT_BAD_INPUT
+    except click.exceptions.Abort:
+        code = 130
+    sys.exit(code or 0)

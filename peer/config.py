@@ -1,0 +1,245 @@
+"""PeerConfig and the one function that resolves it.
+
+Precedence, lowest first: built-in defaults < the --config file (TOML or YAML) < PEER_*
+environment variables < command-line flags. Every problem is collected in one pass and
+raised together as a ConfigError, one line per problem, naming the field, where the value
+came from, the rule and how to fix it. Components receive their own sub-config and never
+read the environment or files themselves.
+"""
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Type
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from averaging.config import AveragingConfig
+from dht.config import DHTConfig
+from monitoring.config import MonitoringConfig
+
+ENV_PREFIX = "PEER_"
+
+
+class ConfigError(ValueError):
+    """Invalid configuration: one line per problem, each naming the field and a fix."""
+
+    def __init__(self, problems: List[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class TrainingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str = Field(
+        default="swarmtrain",
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Name of the training run; peers with the same run id train together.",
+    )
+    task: str = Field(default="bytelm", min_length=1, description="Built-in task name or module:function.")
+    batch_size: Optional[int] = Field(default=None, ge=1, description="Samples per local step (default: the task's).")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto picks cuda when available.")
+    max_epochs: Optional[int] = Field(default=None, ge=1, description="Exit 0 once this global epoch is reached.")
+    max_seconds: Optional[float] = Field(default=None, gt=0, description="Exit 0 after training this long.")
+    data_workers: int = Field(default=2, ge=0, description="DataLoader worker processes for preprocessing.")
+    seed: int = Field(default=0, ge=0, description="Seed for this peer's data order (model init is seeded by run id).")
+    val_batches: int = Field(default=8, ge=1, description="Validation batches evaluated at each global epoch.")
+
+
+class CheckpointConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoint_dir: Path = Field(default=Path("checkpoints"), description="Directory for this peer's checkpoints.")
+    checkpoint_every_epochs: int = Field(default=10, ge=1, description="Write a checkpoint every this many epochs.")
+    keep_checkpoints: int = Field(default=3, ge=1, description="How many newest checkpoints to keep.")
+
+
+class LoggingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    log_format: Literal["text", "json"] = Field(default="text", description="Plain text lines or JSON lines.")
+    verbose: bool = Field(default=False, description="Debug logs, hivemind's internals and tracebacks.")
+    summary_json: Optional[Path] = Field(default=None, description="Write a JSON summary here at exit.")
+
+
+class PeerConfig(BaseModel):
+    """The whole configuration of one peer; each package receives its own section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    training: TrainingConfig = TrainingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    dht: DHTConfig = DHTConfig()
+    averaging: AveragingConfig = AveragingConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
+
+    @model_validator(mode="after")
+    def _no_conflicts(self) -> "PeerConfig":
+        batch, target = self.training.batch_size, self.averaging.target_batch_size
+        if batch is not None and batch > target:
+            raise ValueError(
+                f"--batch-size ({batch}) is larger than --target-batch-size ({target}); "
+                f"raise --target-batch-size or lower --batch-size"
+            )
+        if self.dht.client_mode and not self.dht.initial_peers:
+            raise ValueError(
+                "--client-mode needs --initial-peers: a client-mode peer accepts no connections, "
+                "so it cannot start a swarm; pass the address of a running peer"
+            )
+        return self
+
+    def swarm_hash(self) -> str:
+        """Hash of the settings every peer of a run must share; stored in checkpoints."""
+        shared = {"run_id": self.training.run_id, "task": self.training.task}
+        shared["target_batch_size"] = self.averaging.target_batch_size
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+SECTIONS: Dict[str, Type[BaseModel]] = {
+    name: field.annotation for name, field in PeerConfig.model_fields.items()  # type: ignore[misc]
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One configurable field, as it appears in files, the environment and on the command line."""
+
+    section: str
+    name: str
+    help: str
+    is_bool: bool
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+
+OPTIONS: Dict[str, Option] = {
+    name: Option(section, name, field.description or "", field.annotation is bool)
+    for section, model in SECTIONS.items()
+    for name, field in model.model_fields.items()
+}
+CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
+
+
+def load_config(
+    config_file: Optional[Path] = None,
+    environ: Mapping[str, str] = {},
+    flags: Mapping[str, Any] = {},
+) -> PeerConfig:
+    """Resolve defaults < file < environment < flags into a validated PeerConfig.
+
+    :param flags: option name (e.g. "batch_size") -> value, only for flags given explicitly
+    :raises ConfigError: listing every problem found
+    """
+    problems: List[str] = []
+    values: Dict[str, Dict[str, Any]] = {section: {} for section in SECTIONS}
+    sources: Dict[Tuple[str, str], str] = {}
+
+    def assign(name: str, value: Any, source: str) -> None:
+        option = OPTIONS[name]
+        values[option.section][name] = value
+        sources[(option.section, name)] = source
+
+    if config_file is not None:
+        for name, value in _read_config_file(Path(config_file), problems).items():
+            assign(name, value, f"config file {config_file}")
+
+    for key in sorted(environ):
+        if not key.startswith(ENV_PREFIX) or key == CONFIG_FILE_ENV:
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name in OPTIONS:
+            assign(name, environ[key], f"env {key}")
+        else:
+            known = [option.env for option in OPTIONS.values()] + [CONFIG_FILE_ENV]
+            problems.append(f"{key}: unknown environment variable{_did_you_mean(key, known)}; unset it or fix its name")
+
+    for name, value in flags.items():
+        assign(name, value, f"flag {OPTIONS[name].flag}")
+
+    try:
+        config = PeerConfig.model_validate(values)
+    except ValidationError as e:
+        problems.extend(_describe(error, sources) for error in e.errors())
+        config = None
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _read_config_file(path: Path, problems: List[str]) -> Dict[str, Any]:
+    """Parse a TOML/YAML file of [section] tables into option name -> value."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        problems.append(f"--config: cannot read {path} ({e.strerror or e}); check the path and its permissions")
+        return {}
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            problems.append(f"--config: {path} must end in .toml, .yaml or .yml (got {path.suffix or 'no suffix'!r})")
+            return {}
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
+        problems.append(f"--config: {path} is not valid {path.suffix[1:].upper()}: {' '.join(str(e).split())}")
+        return {}
+    if not isinstance(data, dict):
+        problems.append(f"--config: {path} must contain a mapping of sections, got {type(data).__name__}")
+        return {}
+
+    result: Dict[str, Any] = {}
+    all_keys = list(SECTIONS) + [option.dotted for option in OPTIONS.values()]
+    for section, table in data.items():
+        if section not in SECTIONS:
+            problems.append(f"{path}: unknown key {section!r}{_did_you_mean(section, all_keys)}")
+            continue
+        if not isinstance(table, dict):
+            problems.append(f"{path}: [{section}] must be a table of settings, got {type(table).__name__}")
+            continue
+        for name, value in table.items():
+            option = OPTIONS.get(name)
+            if option is None or option.section != section:
+                problems.append(f"{path}: unknown key '{section}.{name}'{_did_you_mean(f'{section}.{name}', all_keys)}")
+                continue
+            result[name] = value
+    return result
+
+
+def _did_you_mean(word: str, choices: List[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if not close:  # also match the bare field name against dotted keys: "batch_size" -> "training.batch_size"
+        close = [c for c in choices if c.endswith("." + word) or c.lower().endswith("_" + word.lower())][:1]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _describe(error: Dict[str, Any], sources: Dict[Tuple[str, str], str]) -> str:
+    """Turn one pydantic error into 'field = value (from source): rule; fix'."""
+    loc = tuple(str(part) for part in error["loc"])
+    message = error["msg"].removeprefix("Value error, ")
+    if len(loc) < 2 or loc[1] not in OPTIONS:
+        return message  # a cross-field rule: its message already names the options
+    option = OPTIONS[loc[1]]
+    source = sources.get((option.section, option.name), "default")
+    where = {"flag": f"fix {option.flag}", "env": f"fix or unset {option.env}"}.get(
+        source.split()[0], f"fix {option.dotted} in {source.removeprefix('config file ')}"
+    )
+    return f"{option.flag} ({option.dotted}) = {error.get('input')!r} from {source}: {message}; {where}"

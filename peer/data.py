@@ -1,0 +1,80 @@
+"""Data plumbing for the training loop: loaders with workers, endless iteration, device moves."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+def make_loader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    workers: int,
+    seed: int,
+    collate_fn: Optional[Callable] = None,
+    shuffle: bool = True,
+) -> DataLoader:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=shuffle,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers > 0 else None,
+        collate_fn=collate_fn,
+        generator=generator,
+    )
+
+
+def endless(loader: DataLoader) -> Iterator[Any]:
+    """Iterate over the loader forever, one pass after another."""
+    while True:
+        yielded = False
+        for batch in loader:
+            yielded = True
+            yield batch
+        if not yielded:
+            raise ValueError("the training dataset yields no full batch; lower --batch-size or use more data")
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """Move tensors inside nested tuples, lists and dicts to the device."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: move_to(value, device) for key, value in batch.items()}
+    return batch
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is available; use --device cpu or auto")
+    return torch.device(requested)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: DataLoader, loss_fn: Callable, device: torch.device, max_batches: int) -> float:
+    """Mean loss over up to max_batches validation batches."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for index, batch in enumerate(loader):
+            if index >= max_batches:
+                break
+            total += float(loss_fn(model, move_to(batch, device)))
+            count += 1
+    finally:
+        model.train(was_training)
+    if count == 0:
+        raise ValueError("the validation dataset yields no batch; it must hold at least one sample")
+    return total / count

@@ -1,0 +1,40 @@
+"""The summary a peer writes at exit (--summary-json)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Dict, Optional
+
+from pydantic import BaseModel, Field
+
+
+class PeerSummary(BaseModel):
+    peer_id: str = ""
+    run_id: str
+    task: str
+    global_epoch: int = 0
+    local_steps: int = 0
+    samples: int = 0
+    train_loss: Optional[float] = None
+    val_loss_first: Optional[float] = None
+    val_loss_last: Optional[float] = None
+    phase_seconds: Dict[str, float] = Field(default_factory=dict)
+    averaging_rounds: Dict[str, int] = Field(default_factory=lambda: {"ok": 0, "failed": 0, "timeout": 0, "skipped": 0})
+    state_downloads: int = 0
+    resumed_from: Optional[str] = None
+    exit_reason: str = "running"
+
+    def write(self, path: Path) -> None:
+        """Write atomically, so a reader never sees half a file."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.model_dump(), f, indent=2)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

@@ -1,0 +1,298 @@
+"""The training loop of one peer: local steps toward the swarm's target batch.
+
+One step: data_wait -> h2d -> forward -> backward -> optimizer (which may average with
+the swarm or download state). Every phase is timed on this thread. At each new global
+epoch the peer validates, reports, and every K epochs writes a checkpoint. The loop
+stops at --max-epochs, --max-seconds, or a stop request, always after a whole step.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import hivemind
+import torch
+from hivemind.utils import get_dht_time
+
+from averaging.optimizer import AveragingHooks, RoundReport, SwarmOptimizer, build_swarm_optimizer
+from monitoring import PhaseTimer
+from peer.checkpoint import CheckpointStore
+from peer.config import PeerConfig
+from peer.data import endless, evaluate, make_loader, move_to
+from peer.progress import ProgressDisplay
+from peer.signals import StopRequest
+from peer.summary import PeerSummary
+from peer.tasks import Task
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingObserver:
+    """What the loop reports as it goes; the default does nothing. peer.app connects it to metrics."""
+
+    def on_step(self, samples: int, loss: float) -> None: ...
+
+    def on_epoch(self, epoch: int, val_loss: Optional[float]) -> None: ...
+
+    def on_round(self, report: RoundReport, group_payload_bytes: int) -> None: ...
+
+    def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None: ...
+
+
+@dataclass
+class EpochStats:
+    """Local steps since the last global epoch, for the per-epoch report line."""
+
+    started_at: float
+    samples: int = 0
+    loss_sum: float = 0.0
+    steps: int = 0
+
+    @property
+    def mean_loss(self) -> Optional[float]:
+        return self.loss_sum / self.steps if self.steps else None
+
+
+def seed_from_run_id(run_id: str) -> int:
+    """Every peer of a run initializes its model identically, from the run id."""
+    return int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:4], "big")
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: PeerConfig,
+        task: Task,
+        dht: hivemind.DHT,
+        device: torch.device,
+        stop: StopRequest,
+        timer: PhaseTimer,
+        observer: Optional[TrainingObserver] = None,
+        display: Optional[ProgressDisplay] = None,
+        on_progress: Callable[[], None] = lambda: None,
+    ):
+        self.config, self.task, self.dht, self.device = config, task, dht, device
+        self.stop, self.timer = stop, timer
+        self.observer = observer or TrainingObserver()
+        self.display = display or ProgressDisplay(config.averaging.target_batch_size, interactive=False)
+        self.on_progress = on_progress  # heartbeat for /healthz
+        self.batch_size = config.training.batch_size or task.batch_size
+        self.summary = PeerSummary(run_id=config.training.run_id, task=task.name, peer_id=str(dht.peer_id))
+        self.store = CheckpointStore(config.checkpoint.checkpoint_dir, keep=config.checkpoint.keep_checkpoints)
+
+        torch.manual_seed(seed_from_run_id(config.training.run_id))
+        self.model = task.build_model().to(device)
+        self._restore_model()
+        self.optimizer = build_swarm_optimizer(
+            config.averaging,
+            dht=dht,
+            run_id=config.training.run_id,
+            params=self.model.parameters(),
+            optimizer_factory=task.build_optimizer,
+            scheduler_factory=task.build_scheduler,
+            batch_size=self.batch_size,
+            client_mode=config.dht.client_mode,
+            hooks=AveragingHooks(
+                phase=timer.phase, round_finished=self._on_round, state_loaded=self._on_state_loaded
+            ),
+        )
+        self._restore_optimizer()
+        self._payload_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+        workers = config.training.data_workers
+        self.train_loader = make_loader(
+            task.build_train_dataset(), batch_size=self.batch_size, workers=workers,
+            seed=config.training.seed, collate_fn=task.collate_fn,
+        )
+        self.val_loader = make_loader(
+            task.build_val_dataset(), batch_size=self.batch_size, workers=0, seed=0,
+            collate_fn=task.collate_fn, shuffle=False,
+        )
+
+    # --- checkpoints -------------------------------------------------------------------
+
+    def _restore_model(self) -> None:
+        self._checkpoint = self.store.load_latest()
+        if self._checkpoint is None:
+            return
+        state = self._checkpoint.state
+        if state.get("run_id") != self.config.training.run_id or state.get("task") != self.task.name:
+            raise RuntimeError(
+                f"checkpoint {self._checkpoint.path} belongs to run {state.get('run_id')!r} "
+                f"(task {state.get('task')!r}), not run {self.config.training.run_id!r} (task {self.task.name!r}); "
+                f"use another --checkpoint-dir"
+            )
+        if state.get("swarm_hash") != self.config.swarm_hash():
+            logger.warning(f"{self._checkpoint.path} was written with different swarm settings; resuming anyway")
+        self.model.load_state_dict(state["model"])
+
+    def _restore_optimizer(self) -> None:
+        if self._checkpoint is None:
+            return
+        state = self._checkpoint.state
+        self.optimizer.load_state_dict(state["optimizer"])
+        scheduler = self.optimizer.state_averager.scheduler
+        if scheduler is not None and state.get("scheduler") is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        self.summary.local_steps, self.summary.samples = state.get("local_steps", 0), state.get("samples", 0)
+        self.summary.resumed_from = str(self._checkpoint.path)
+        logger.info(f"resumed from {self._checkpoint.path} at epoch {self.optimizer.local_epoch}")
+
+    def save_checkpoint(self) -> None:
+        with self.timer.phase("checkpoint"):
+            self.optimizer.wait_for_background_updates()
+            scheduler = self.optimizer.state_averager.scheduler
+            state = {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "local_epoch": self.optimizer.local_epoch,
+                "local_steps": self.summary.local_steps,
+                "samples": self.summary.samples,
+                "run_id": self.config.training.run_id,
+                "task": self.task.name,
+                "swarm_hash": self.config.swarm_hash(),
+            }
+            path = self.store.save(state, global_epoch=self.optimizer.local_epoch)
+        logger.info(f"checkpoint written: {path}")
+
+    # --- hooks from the optimizer ----------------------------------------------------------
+
+    def _on_round(self, report: RoundReport) -> None:
+        self.summary.averaging_rounds[report.outcome] = self.summary.averaging_rounds.get(report.outcome, 0) + 1
+        self.observer.on_round(report, self._payload_bytes)
+
+    def _on_state_loaded(self, epoch: int) -> None:
+        self.summary.state_downloads += 1
+        logger.info(f"downloaded the swarm's state: now at epoch {epoch}")
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def catch_up(self) -> None:
+        """Before the first step: if the swarm is ahead of us, download its state."""
+        global_epoch = self.optimizer.tracker.global_epoch
+        if global_epoch > self.optimizer.local_epoch:
+            logger.info(f"the swarm is at epoch {global_epoch}, this peer at {self.optimizer.local_epoch}: "
+                        f"downloading state from peers")
+            self.optimizer.load_state_from_peers()
+
+    def wait_for_swarm(self, min_peers: int, timeout_seconds: float) -> int:
+        """Start gate: announce this peer and wait until the swarm's progress counts min_peers peers.
+
+        hivemind's tracker only counts peers that have accumulated samples, so peers that start
+        together would each train alone for a while. Announcing a zero-sample progress record
+        makes every waiting peer visible to the others' trackers before anyone steps.
+        """
+        tracker = self.optimizer.tracker
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            tracker.dht.store(
+                tracker.training_progress_key,
+                subkey=tracker._local_public_key,
+                value=tracker.local_progress.dict(),
+                expiration_time=get_dht_time() + tracker.metadata_expiration,
+            )
+            seen = tracker.global_progress.num_peers
+            if seen >= min_peers or self.stop or time.monotonic() >= deadline:
+                return seen
+            self.stop.wait(1.0)
+
+    def validate(self) -> float:
+        return evaluate(self.model, self.val_loader, self.task.loss_fn, self.device, self.config.training.val_batches)
+
+    def run(self) -> str:
+        """Train until a stop condition; return the exit reason."""
+        training = self.config.training
+        started = time.monotonic()
+        self.model.train()
+        batches = endless(self.train_loader)
+        val_loss = self.validate()
+        self.summary.val_loss_first = self.summary.val_loss_last = val_loss
+        self.summary.global_epoch = self.optimizer.local_epoch
+        self.observer.on_epoch(self.optimizer.local_epoch, val_loss)
+        stats = EpochStats(started_at=time.monotonic())
+
+        while True:
+            if training.max_epochs is not None and self.optimizer.local_epoch >= training.max_epochs:
+                return "max_epochs"
+            if training.max_seconds is not None and time.monotonic() - started >= training.max_seconds:
+                return "max_seconds"
+            if self.stop:
+                return f"signal:{self.stop.signal_name}"
+
+            epoch_before = self.optimizer.local_epoch
+            loss = self._step(batches)
+            stats.samples += self.batch_size
+            stats.steps += 1
+            stats.loss_sum += loss
+            self.on_progress()
+            self._report_swarm()
+
+            if self.optimizer.local_epoch != epoch_before:
+                self._finish_epoch(stats)
+                stats = EpochStats(started_at=time.monotonic())
+
+    def _step(self, batches) -> float:
+        timer = self.timer
+        with timer.phase("data_wait"):
+            batch = next(batches)
+        with timer.phase("h2d"):
+            batch = move_to(batch, self.device)
+        with timer.phase("forward"):
+            loss = self.task.loss_fn(self.model, batch)
+        with timer.phase("backward"):
+            loss.backward()
+        loss_value = float(loss.detach())
+        if not math.isfinite(loss_value):
+            # never feed a non-finite gradient to the swarm: drop this batch and go on
+            logger.warning(f"non-finite loss ({loss_value}); skipping this batch")
+            self.optimizer.zero_grad()
+            return loss_value
+        with timer.phase("optimizer"):
+            self.optimizer.step(batch_size=self.batch_size)
+            self.optimizer.zero_grad()
+        self.summary.local_steps += 1
+        self.summary.samples += self.batch_size
+        self.summary.train_loss = loss_value
+        self.observer.on_step(self.batch_size, loss_value)
+        return loss_value
+
+    def _report_swarm(self) -> None:
+        progress = self.optimizer.tracker.global_progress
+        ratio = progress.samples_accumulated / max(1, progress.target_batch_size)
+        self.display.update(progress.samples_accumulated, self.optimizer.local_epoch)
+        self.observer.on_swarm(
+            progress.num_peers, self.optimizer.tracker.performance_ema.samples_per_second * progress.num_peers, ratio
+        )
+
+    def _finish_epoch(self, stats: EpochStats) -> None:
+        epoch = self.optimizer.local_epoch
+        val_loss = self.validate()
+        self.summary.global_epoch = epoch
+        self.summary.val_loss_last = val_loss
+        self.observer.on_epoch(epoch, val_loss)
+        elapsed = max(1e-9, time.monotonic() - stats.started_at)
+        self.display.epoch_line(
+            epoch=epoch,
+            train_loss=stats.mean_loss,
+            val_loss=val_loss,
+            samples_per_second=stats.samples / elapsed,
+            peers=max(1, self.optimizer.tracker.global_progress.num_peers),
+        )
+        if epoch % self.config.checkpoint.checkpoint_every_epochs == 0:
+            self.save_checkpoint()
+
+    def shutdown(self, timeout_seconds: float = 10.0) -> None:
+        """Leave the swarm: stop averagers and the progress tracker, with bounded waits."""
+        self.optimizer.shutdown()
+        for averager in (self.optimizer.state_averager, self.optimizer.grad_averager):
+            if averager is not None and averager.is_alive():
+                averager.join(timeout_seconds)
+                if averager.is_alive():
+                    averager.terminate()
+        # persistent DataLoader workers exit when their iterator is garbage collected
+        self.train_loader = None

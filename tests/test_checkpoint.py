@@ -1,0 +1,350 @@
+"""Tests for peer/checkpoint.py: round trips, retention, corruption, crashes, full disks."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from peer import checkpoint as checkpoint_module
+from peer.checkpoint import HEADER_SIZE_BYTES, CheckpointError, CheckpointStore
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CHILD_TIMEOUT_SECONDS = 120
+
+
+def small_state(epoch: int) -> dict:
+    return {"weights": torch.full((16,), float(epoch)), "global_epoch": epoch, "config_hash": "abc123", "note": None}
+
+
+def assert_nested_equal(actual, expected, where="state"):
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), where
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), where
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and list(actual) == list(expected), where
+        for key in expected:
+            assert_nested_equal(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected), where
+        for index, (a, e) in enumerate(zip(actual, expected)):
+            assert_nested_equal(a, e, f"{where}[{index}]")
+    else:
+        assert type(actual) is type(expected) and actual == expected, where
+
+
+def temp_files(directory: Path) -> list:
+    return sorted(name for name in os.listdir(directory) if name.endswith(".tmp"))
+
+
+def warnings_about(caplog, path: Path) -> list:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and path.name in r.getMessage()]
+
+
+def test_round_trip_model_adamw_and_lambda_lr(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    inputs = torch.randn(5, 4)
+    model(inputs).pow(2).mean().backward()
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.state_dict()["state"], "AdamW must have per-parameter state after a step"
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "local_epoch": 3,
+        "global_epoch": 7,
+        "loss_history": [1.5, 0.25],
+        "config_hash": "0123abcd",
+        "parent": None,
+    }
+
+    saved = CheckpointStore(tmp_path).save(state, global_epoch=7)
+    loaded = CheckpointStore(tmp_path).load_latest()
+
+    assert loaded is not None and loaded.path == saved
+    assert_nested_equal(loaded.state, state)
+
+    # The loaded state must restore training exactly: one more step from each copy agrees.
+    restored_model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    restored_model.load_state_dict(loaded.state["model"])
+    restored_optimizer = torch.optim.AdamW(restored_model.parameters(), lr=1e-2, weight_decay=0.1)
+    # Build the scheduler before loading states: its constructor rewrites the group lr.
+    restored_scheduler = torch.optim.lr_scheduler.LambdaLR(restored_optimizer, lambda step: 0.5**step)
+    restored_optimizer.load_state_dict(loaded.state["optimizer"])
+    restored_scheduler.load_state_dict(loaded.state["scheduler"])
+    for m, opt, sched in ((model, optimizer, scheduler), (restored_model, restored_optimizer, restored_scheduler)):
+        opt.zero_grad()
+        m(inputs).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    for original, restored in zip(model.parameters(), restored_model.parameters()):
+        assert torch.equal(original, restored)
+    assert scheduler.get_last_lr() == restored_scheduler.get_last_lr()
+
+
+def test_file_format_header(tmp_path):
+    path = CheckpointStore(tmp_path).save(small_state(1), global_epoch=1)
+    data = path.read_bytes()
+    magic, version, length, _ = checkpoint_module._HEADER.unpack(data[:HEADER_SIZE_BYTES])
+    assert magic == b"SWRMCKPT" and version == 1
+    assert length == len(data) - HEADER_SIZE_BYTES
+    assert path.name == "checkpoint-000001-epoch000001.pt"
+
+
+def test_empty_directory_loads_none_and_directory_is_created(tmp_path):
+    directory = tmp_path / "a" / "b"
+    store = CheckpointStore(directory)
+    assert directory.is_dir()
+    assert store.list() == []
+    assert store.load_latest() is None
+
+
+def test_retention_keeps_newest_and_sequence_continues_across_stores(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    for epoch in range(10, 15):
+        store.save(small_state(epoch), global_epoch=epoch)
+    assert [p.name for p in store.list()] == ["checkpoint-000004-epoch000013.pt", "checkpoint-000005-epoch000014.pt"]
+
+    # A restarted peer may be at a lower global epoch; the sequence still orders it newest.
+    restarted = CheckpointStore(tmp_path, keep=2)
+    path = restarted.save(small_state(3), global_epoch=3)
+    assert path.name == "checkpoint-000006-epoch000003.pt"
+    assert [p.name for p in restarted.list()] == ["checkpoint-000005-epoch000014.pt", path.name]
+    loaded = restarted.load_latest()
+    assert loaded.path == path and loaded.state["global_epoch"] == 3
+
+
+def test_ordering_is_numeric_and_unrelated_files_are_ignored(tmp_path):
+    store = CheckpointStore(tmp_path, keep=5)
+    older = store.save(small_state(1), global_epoch=1)
+    newer = tmp_path / "checkpoint-1000000-epoch000002.pt"
+    older.rename(tmp_path / "checkpoint-999999-epoch000001.pt")
+    older = tmp_path / "checkpoint-999999-epoch000001.pt"
+    newer.write_bytes(older.read_bytes())
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    (tmp_path / "checkpoint-latest.pt").write_text("not ours either")
+    (tmp_path / "checkpoint-000005-epoch000005.pt.bak").write_text("nor this")
+    (tmp_path / "checkpoint-2000000-epoch000009.pt").mkdir()  # a directory, not a checkpoint
+
+    assert store.list() == [older, newer]
+    assert store.load_latest().path == newer
+    assert store.save(small_state(3), global_epoch=3).name == "checkpoint-1000001-epoch000003.pt"
+    assert (tmp_path / "notes.txt").exists() and (tmp_path / "checkpoint-latest.pt").exists()
+
+
+@pytest.mark.parametrize("keep", [0, -1])
+def test_keep_below_one_is_rejected(tmp_path, keep):
+    with pytest.raises(ValueError, match="keep must be"):
+        CheckpointStore(tmp_path, keep=keep)
+
+
+def save_two(tmp_path):
+    store = CheckpointStore(tmp_path)
+    first = store.save(small_state(1), global_epoch=1)
+    second = store.save(small_state(2), global_epoch=2)
+    return store, first, second
+
+
+def test_truncated_newest_is_skipped_with_warning(tmp_path, caplog):
+    store, first, second = save_two(tmp_path)
+    data = second.read_bytes()
+    second.write_bytes(data[: len(data) - 100])
+
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+        loaded = store.load_latest()
+
+    assert loaded.path == first
+    assert_nested_equal(loaded.state, small_state(1))
+    messages = warnings_about(caplog, second)
+    assert len(messages) == 1 and "truncated" in messages[0]
+
+
+def test_file_shorter_than_header_is_skipped(tmp_path, caplog):
+    store, first, second = save_two(tmp_path)
+    second.write_bytes(second.read_bytes()[:10])
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+        assert store.load_latest().path == first
+    assert any("header" in m for m in warnings_about(caplog, second))
+
+
+def test_flipped_byte_in_payload_is_skipped_with_warning(tmp_path, caplog):
+    store, first, second = save_two(tmp_path)
+    data = bytearray(second.read_bytes())
+    data[HEADER_SIZE_BYTES + (len(data) - HEADER_SIZE_BYTES) // 2] ^= 0x01
+    second.write_bytes(bytes(data))
+
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+        loaded = store.load_latest()
+
+    assert loaded.path == first
+    assert_nested_equal(loaded.state, small_state(1))
+    messages = warnings_about(caplog, second)
+    assert len(messages) == 1 and "sha256" in messages[0]
+
+
+def test_trailing_bytes_after_payload_are_detected(tmp_path, caplog):
+    store, first, second = save_two(tmp_path)
+    with open(second, "ab") as file:
+        file.write(b"\0" * 8)
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+        assert store.load_latest().path == first
+    assert any("longer than" in m for m in warnings_about(caplog, second))
+
+
+def test_garbage_file_is_skipped_with_warning(tmp_path, caplog):
+    store, _, second = save_two(tmp_path)
+    garbage = tmp_path / "checkpoint-000003-epoch000003.pt"
+    garbage.write_bytes(os.urandom(4096))
+
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+        loaded = store.load_latest()
+
+    assert loaded.path == second
+    assert_nested_equal(loaded.state, small_state(2))
+    messages = warnings_about(caplog, garbage)
+    assert len(messages) == 1 and "magic" in messages[0]
+
+
+def test_all_checkpoints_damaged_loads_none(tmp_path, caplog):
+    store, first, second = save_two(tmp_path)
+    first.write_bytes(b"")
+    second.write_bytes(b"x" * 1000)
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+        assert store.load_latest() is None
+    assert warnings_about(caplog, first) and warnings_about(caplog, second)
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import torch
+    from peer.checkpoint import CheckpointStore
+
+    store = CheckpointStore(Path(sys.argv[1]))
+
+    def die_before_rename(src, dst):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    os.replace = die_before_rename
+    store.save({"weights": torch.full((4096,), 99.0), "global_epoch": 99}, global_epoch=99)
+    """
+)
+
+
+def test_writer_killed_before_rename_leaves_previous_checkpoint(tmp_path):
+    CheckpointStore(tmp_path).save(small_state(1), global_epoch=1)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+    result = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        timeout=CHILD_TIMEOUT_SECONDS,
+    )
+
+    assert result.returncode == -signal.SIGKILL, result.stderr.decode(errors="replace")
+    leftovers = temp_files(tmp_path)
+    assert len(leftovers) == 1, "the child must have died with its temp file written but not renamed"
+    assert (tmp_path / leftovers[0]).stat().st_size > HEADER_SIZE_BYTES
+
+    store = CheckpointStore(tmp_path)
+    assert temp_files(tmp_path) == []
+    assert [p.name for p in store.list()] == ["checkpoint-000001-epoch000001.pt"]
+    loaded = store.load_latest()
+    assert_nested_equal(loaded.state, small_state(1))
+    assert store.save(small_state(2), global_epoch=2).name == "checkpoint-000002-epoch000002.pt"
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 256 KiB tmpfs if we may mount one (root on Linux), else None; always unmounted."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        yield None
+        return
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        yield None
+        return
+    if mounted.returncode != 0:
+        yield None
+        return
+    try:
+        yield mount_point
+    finally:
+        unmounted = subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=30)
+        if unmounted.returncode != 0:
+            subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
+
+
+def test_disk_full_raises_and_keeps_previous_checkpoint(tmp_path, small_filesystem, monkeypatch):
+    directory = small_filesystem if small_filesystem is not None else tmp_path / "fallback"
+    store = CheckpointStore(directory, keep=1)  # keep=1: pruning before the rename would lose `previous`
+    previous = store.save(small_state(1), global_epoch=1)
+    too_big = {"weights": torch.zeros(256 * 1024), "global_epoch": 2}  # 1 MiB of float32
+
+    if small_filesystem is None:
+
+        def disk_full(fd):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "fsync", disk_full)
+
+    with pytest.raises(CheckpointError) as raised:
+        store.save(too_big, global_epoch=2)
+
+    message = str(raised.value)
+    assert "\n" not in message and "checkpoint-000002-epoch000002.pt" in message and "ENOSPC" in message
+    monkeypatch.undo()
+    assert temp_files(directory) == []
+    assert store.list() == [previous]
+    loaded = CheckpointStore(directory).load_latest()
+    assert loaded.path == previous
+    assert_nested_equal(loaded.state, small_state(1))
+    # The failed attempt released its space: a small checkpoint still fits.
+    assert store.save(small_state(3), global_epoch=3).name == "checkpoint-000002-epoch000003.pt"
+
+
+def test_failed_rename_removes_temp_and_keeps_previous(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path)
+    previous = store.save(small_state(1), global_epoch=1)
+
+    def denied(src, dst):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dst))
+
+    monkeypatch.setattr(os, "replace", denied)
+    with pytest.raises(CheckpointError, match="EACCES"):
+        store.save(small_state(2), global_epoch=2)
+    monkeypatch.undo()
+
+    assert temp_files(tmp_path) == []
+    assert store.list() == [previous]
+    assert store.load_latest().path == previous
+
+
+class Opaque:
+    """Picklable, but not a type that torch.load(weights_only=True) accepts."""
+
+
+def test_state_that_weights_only_load_rejects_is_refused_at_save(tmp_path):
+    store = CheckpointStore(tmp_path)
+    previous = store.save(small_state(1), global_epoch=1)
+    with pytest.raises(CheckpointError, match="weights_only"):
+        store.save({"weights": torch.ones(2), "extra": Opaque()}, global_epoch=2)
+    assert os.listdir(tmp_path) == [previous.name]
