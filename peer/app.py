@@ -114,6 +114,8 @@ def run_peer(config: PeerConfig) -> int:
             config, task, resources.dht, device, stop, timer,
             observer=MetricsObserver(metrics, classifier, health), display=display, on_progress=health.beat,
         )
+        # hivemind's averagers set SIGINT to "ignore" in this process when they start: take it back
+        stop.install_handlers()
         started = time.monotonic()
         resources.publisher = PeerInfoPublisher(
             resources.dht,

@@ -1,0 +1,128 @@
+"""Helpers for multi-peer tests: real `peer` processes on 127.0.0.1 that can never outlive a test.
+
+Each process runs in its own session, its output goes to a log file, and every wait has a
+timeout. The `peers` fixture (conftest.py) kills whatever is left, and asserts that no
+child of a peer (DHT process, p2pd, averagers) survived it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import psutil
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+JOIN_LINE = re.compile(r"--initial-peers (\S+)")
+
+# Small, fast settings shared by the multi-peer tests.
+FAST_SWARM_ARGS = [
+    "--task", "bytelm-tiny",
+    "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+    "--matchmaking-seconds", "1",
+    "--averaging-timeout-seconds", "10",
+    "--data-workers", "1",
+    "--val-batches", "4",
+]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.2, message: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {message or predicate}")
+
+
+class PeerProcess:
+    """One `peer <command> ...` subprocess with its log in a file."""
+
+    def __init__(self, log_path: Path, args: List[str], env: Optional[Dict[str, str]] = None):
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "peer", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=log_path.parent,
+            env=full_env,
+            start_new_session=True,
+        )
+        self.pid = self.process.pid
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def join_address(self, timeout: float = 90.0) -> str:
+        def found() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"peer exited with {self.process.returncode}:\n{self.log()[-3000:]}")
+            return JOIN_LINE.search(self.log()) is not None
+
+        wait_until(found, timeout, message=f"join address in {self.log_path}")
+        return JOIN_LINE.search(self.log()).group(1)
+
+    def send(self, signum: int) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"peer {self.pid} still running after {timeout:.0f}s:\n{self.log()[-3000:]}")
+
+    def descendants(self) -> List[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def kill_everything(self) -> None:
+        """Last resort: kill the whole session (the peer and everything it started)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+def session_processes(session_id: int) -> List[psutil.Process]:
+    """Live processes of a session (a peer started with start_new_session has sid == its pid)."""
+    alive = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(proc.pid) == session_id and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except (ProcessLookupError, psutil.Error, PermissionError):
+            continue
+    return alive
+
+
+def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
+    """Model tensors of the newest checkpoint in a peer's checkpoint directory."""
+    from peer.checkpoint import CheckpointStore
+
+    loaded = CheckpointStore(checkpoint_dir).load_latest()
+    assert loaded is not None, f"no checkpoint in {checkpoint_dir}"
+    return loaded.state["model"]
+
+
+def max_parameter_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[key].float() - b[key].float()).abs().max()) for key in a)

@@ -1,0 +1,135 @@
+"""PeerConfig: precedence, one-pass validation, and the CLI's exit code 2 for bad input."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from peer.cli import main
+from peer.config import OPTIONS, ConfigError, PeerConfig, load_config
+from tests.peers import REPO_ROOT
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    captured = capsys.readouterr()
+    return exited.value.code, captured.err
+
+
+def test_defaults_are_valid_and_lone_peer_trains_at_once():
+    config = load_config()
+    assert config.averaging.min_peers == 1
+    assert config.training.task == "bytelm"
+    assert config.dht.initial_peers == []
+
+
+def test_precedence_defaults_file_env_flags(tmp_path: Path):
+    config_file = tmp_path / "peer.toml"
+    config_file.write_text(
+        "[training]\nbatch_size = 8\nrun_id = 'from-file'\nmax_epochs = 5\n"
+        "[averaging]\ntarget_batch_size = 512\nmatchmaking_seconds = 2.5\n"
+    )
+    env = {"PEER_BATCH_SIZE": "16", "PEER_RUN_ID": "from-env"}
+    flags = {"batch_size": "32"}
+    config = load_config(config_file, env, flags)
+    assert config.training.batch_size == 32  # flag beats env and file
+    assert config.training.run_id == "from-env"  # env beats file
+    assert config.training.max_epochs == 5  # file beats default
+    assert config.averaging.matchmaking_seconds == 2.5
+    assert config.averaging.averaging_timeout_seconds == PeerConfig().averaging.averaging_timeout_seconds
+
+
+def test_yaml_file_and_comma_separated_initial_peers(tmp_path: Path):
+    config_file = tmp_path / "peer.yaml"
+    config_file.write_text("dht:\n  initial_peers:\n    - /ip4/10.0.0.1/tcp/31337\n")
+    assert load_config(config_file).dht.initial_peers == ["/ip4/10.0.0.1/tcp/31337"]
+    env = {"PEER_INITIAL_PEERS": "/ip4/10.0.0.1/tcp/1, /dns4/bootstrap/tcp/2"}
+    assert load_config(environ=env).dht.initial_peers == ["/ip4/10.0.0.1/tcp/1", "/dns4/bootstrap/tcp/2"]
+
+
+def test_every_problem_reported_in_one_pass(tmp_path: Path):
+    config_file = tmp_path / "peer.toml"
+    config_file.write_text("[training]\nbatch_sise = 3\n[averging]\nx = 1\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(
+            config_file,
+            {"PEER_DEVICE": "gpu", "PEER_BATCHSIZE": "3"},
+            {"matchmaking_seconds": "soon", "initial_peers": "not-a-multiaddr"},
+        )
+    problems = error.value.problems
+    assert len(problems) == 6, problems
+    text = "\n".join(problems)
+    assert "unknown key 'training.batch_sise' (did you mean 'training.batch_size'?)" in text
+    assert "unknown key 'averging' (did you mean 'averaging'?)" in text
+    assert "PEER_BATCHSIZE: unknown environment variable (did you mean 'PEER_BATCH_SIZE'?)" in text
+    assert "--device (training.device) = 'gpu' from env PEER_DEVICE" in text
+    assert "--matchmaking-seconds (averaging.matchmaking_seconds) = 'soon' from flag --matchmaking-seconds" in text
+    assert "malformed multiaddr 'not-a-multiaddr'" in text
+    assert all("\n" not in problem for problem in problems)
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ({"batch_size": "0"}, "--batch-size (training.batch_size) = '0' from flag --batch-size: Input should be greater than or equal to 1"),
+        ({"target_batch_size": "-5"}, "--target-batch-size"),
+        ({"max_epochs": "1.5"}, "--max-epochs"),
+        ({"metrics_port": "70000"}, "--metrics-port"),
+        ({"log_format": "xml"}, "--log-format"),
+        ({"run_id": "has space"}, "--run-id"),
+        ({"averaging_timeout_seconds": "0"}, "--averaging-timeout-seconds"),
+        ({"batch_size": "64", "target_batch_size": "32"}, "--batch-size (64) is larger than --target-batch-size (32)"),
+        ({"client_mode": True}, "--client-mode needs --initial-peers"),
+    ],
+)
+def test_bad_values_name_the_flag(flags, expected):
+    with pytest.raises(ConfigError) as error:
+        load_config(flags=flags)
+    assert expected in str(error.value)
+
+
+def test_every_option_has_help_and_a_unique_flag():
+    flags = [option.flag for option in OPTIONS.values()]
+    assert len(flags) == len(set(flags))
+    assert all(option.help for option in OPTIONS.values())
+    for required in ["--run-id", "--task", "--initial-peers", "--host-maddrs", "--announce-maddrs",
+                     "--target-batch-size", "--batch-size", "--device", "--max-epochs", "--max-seconds",
+                     "--checkpoint-dir", "--checkpoint-every-epochs", "--metrics-port", "--summary-json",
+                     "--log-format", "--verbose", "--matchmaking-seconds", "--averaging-timeout-seconds"]:
+        assert required in flags
+
+
+def test_cli_exits_2_with_one_line_per_problem(capsys, monkeypatch):
+    monkeypatch.setenv("PEER_DEVICE", "tpu")
+    code, err = run_cli(capsys, "start", "--batch-size", "-1", "--metrics-port", "x")
+    lines = err.strip().splitlines()
+    assert code == 2
+    assert len(lines) == 3, err
+    assert all(line.startswith("error: ") for line in lines)
+    assert "Traceback" not in err
+
+
+def test_cli_unknown_flag_is_one_line(capsys):
+    code, err = run_cli(capsys, "start", "--batchsize", "3")
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "--batchsize" in err and "--batch-size" in err
+
+
+def test_cli_missing_config_file(capsys, tmp_path: Path):
+    code, err = run_cli(capsys, "start", "--config", str(tmp_path / "missing.toml"))
+    assert code == 2
+    assert f"--config: cannot read {tmp_path / 'missing.toml'}" in err
+
+
+def test_installed_entry_point_reports_bad_input_without_traceback():
+    """The real console entry (python -m peer) for a bad task: exit 2, one line, no traceback."""
+    result = subprocess.run(
+        [sys.executable, "-m", "peer", "start", "--task", "bytelmm", "--metrics-port", "0"],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "did you mean 'bytelm'" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
