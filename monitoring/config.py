@@ -1,15 +1,24 @@
 """MonitoringConfig: the metrics endpoint and health check of one peer."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class MonitoringConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    metrics_port: int = Field(
-        default=0, ge=0, le=65535, description="Port for /metrics and /healthz; 0 picks a free port."
+    metrics_port: Union[Literal["off"], int] = Field(
+        default=0, description="Port for /metrics and /healthz; 0 picks a free port; off disables the endpoint."
     )
+    @field_validator("metrics_port")
+    @classmethod
+    def _port_range(cls, value):
+        if value != "off" and not 0 <= value <= 65535:
+            raise ValueError("must be a port in 0..65535 (0 picks a free one) or off")
+        return value
+
     metrics_host: str = Field(default="0.0.0.0", description="Address the metrics endpoint listens on.")
     health_window_seconds: float = Field(
         default=300.0,

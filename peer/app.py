@@ -96,14 +96,15 @@ def run_peer(config: PeerConfig) -> int:
         timer.add_listener(metrics.observe_phase)
         timer.add_listener(classifier.observe)
         metrics.set_info(__version__, describe_device(device), "sync", "none")
-        resources.exporter = MetricsExporter(
-            registry, config.monitoring.metrics_port, config.monitoring.metrics_host, health=health
-        )
-        try:
-            port = resources.exporter.start()
-        except MetricsPortInUseError as e:
-            raise BadInput(str(e)) from e
-        logger.info(f"metrics on http://{config.monitoring.metrics_host}:{port}/metrics")
+        if config.monitoring.metrics_port != "off":
+            resources.exporter = MetricsExporter(
+                registry, config.monitoring.metrics_port, config.monitoring.metrics_host, health=health
+            )
+            try:
+                port = resources.exporter.start()
+            except MetricsPortInUseError as e:
+                raise BadInput(str(e)) from e
+            logger.info(f"metrics on http://{config.monitoring.metrics_host}:{port}/metrics")
 
         resources.dht = start_dht(config.dht, record_validators=record_validators(config.training.run_id))
         print_join_instructions(config, resources.dht)

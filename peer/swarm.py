@@ -75,7 +75,7 @@ def peer_args(config: PeerConfig, base_args: List[str], index: int, summary_dir:
     """Per-peer overrides appended after the user's flags (the last occurrence of a flag wins)."""
     args = list(base_args)
     port = config.monitoring.metrics_port
-    args += ["--metrics-port", str(port + index if port else 0)]
+    args += ["--metrics-port", str(port + index if isinstance(port, int) and port else port)]
     args += ["--checkpoint-dir", str(config.checkpoint.checkpoint_dir / f"peer-{index}")]
     args += ["--seed", str(config.training.seed + index)]  # each peer sees its own data order
     if "--host-maddrs" not in base_args:

@@ -196,10 +196,28 @@ class Trainer:
                 value=tracker.local_progress.dict(),
                 expiration_time=get_dht_time() + tracker.metadata_expiration,
             )
+            self.on_progress()  # waiting for peers by design is not a stall
             seen = tracker.global_progress.num_peers
             if seen >= min_peers or self.stop or time.monotonic() >= deadline:
                 return seen
             self.stop.wait(1.0)
+
+    def wait_for_stragglers(self, timeout_seconds: float) -> None:
+        """Before leaving at the last epoch, stay reachable while a peer is still behind us.
+
+        A straggler whose last round found no group catches up by downloading state; if all
+        peers left the moment they reached --max-epochs, it would have no one to download from
+        and would end with different weights.
+        """
+        tracker = self.optimizer.tracker
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline and not self.stop:
+            found = self.dht.get(tracker.training_progress_key, latest=True)
+            entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
+            epochs = [entry.value["epoch"] for entry in entries if isinstance(getattr(entry, "value", None), dict)]
+            if not any(epoch < self.optimizer.local_epoch for epoch in epochs):
+                return
+            self.stop.wait(0.5)
 
     def validate(self) -> float:
         return evaluate(self.model, self.val_loader, self.task.loss_fn, self.device, self.config.training.val_batches)
@@ -218,6 +236,7 @@ class Trainer:
 
         while True:
             if training.max_epochs is not None and self.optimizer.local_epoch >= training.max_epochs:
+                self.wait_for_stragglers(self.config.averaging.averaging_timeout_seconds)
                 return "max_epochs"
             if training.max_seconds is not None and time.monotonic() - started >= training.max_seconds:
                 return "max_seconds"

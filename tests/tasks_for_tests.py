@@ -1,0 +1,81 @@
+"""Tasks with a known bottleneck, for tests that run real peers (`--task tests.tasks_for_tests:...`)."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from peer.tasks import Task
+
+FEATURES = 32
+
+
+class SyntheticDataset(Dataset):
+    """Random regression points; optionally slow (preprocessing-bound) or stalling after some items."""
+
+    def __init__(self, size: int, seconds_per_item: float = 0.0, stall_after_items: int = -1):
+        generator = torch.Generator().manual_seed(size)
+        self.x = torch.randn(size, FEATURES, generator=generator)
+        self.y = self.x.sum(dim=1, keepdim=True)
+        self.seconds_per_item = seconds_per_item
+        self.stall_after_items = stall_after_items
+        self.items_served = 0  # per process: each DataLoader worker counts its own
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        self.items_served += 1
+        if 0 <= self.stall_after_items < self.items_served:
+            time.sleep(3600)  # a hung data source: the training loop stalls in data_wait
+        if self.seconds_per_item:
+            time.sleep(self.seconds_per_item)
+        return self.x[index], self.y[index]
+
+
+def mse_loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def _mlp(hidden: int, layers: int) -> nn.Module:
+    blocks = [nn.Linear(FEATURES, hidden), nn.ReLU()]
+    for _ in range(layers - 1):
+        blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(hidden, 1))
+
+
+def _task(name: str, model_factory, train: Dataset, batch_size: int) -> Task:
+    return Task(
+        name=name,
+        build_model=model_factory,
+        build_train_dataset=lambda: train,
+        build_val_dataset=lambda: SyntheticDataset(64),
+        loss_fn=mse_loss,
+        build_optimizer=sgd,
+        batch_size=batch_size,
+    )
+
+
+def make_slow_data_task() -> Task:
+    """Each sample takes 20 ms to 'decode' with a tiny model: preprocessing dominates."""
+    return _task("slow-data", lambda: _mlp(16, 1), SyntheticDataset(4096, seconds_per_item=0.02), batch_size=8)
+
+
+def make_heavy_model_task() -> Task:
+    """A wide, deep MLP on instant data: compute dominates."""
+    return _task("heavy-model", lambda: _mlp(1024, 4), SyntheticDataset(4096), batch_size=256)
+
+
+def make_stalling_task() -> Task:
+    """Trains for a few steps, then the data source hangs (after STALL_AFTER_ITEMS items, default 64)."""
+    stall_after = int(os.environ.get("STALL_AFTER_ITEMS", "64"))
+    return _task("stalling", lambda: _mlp(16, 1), SyntheticDataset(4096, stall_after_items=stall_after), batch_size=8)
