@@ -1,9 +1,19 @@
-"""DHTConfig: how a peer joins the swarm's DHT."""
+"""DHTConfig: how a peer joins the swarm's DHT.
+
+Everything that can be checked before the DHT starts is checked here, at config load,
+so that it is reported with the other config problems: multiaddrs parse, the
+--initial-peers-file is readable and holds one multiaddr per line, and an existing
+--identity file holds a valid key. Nothing here starts a process, touches the network or
+writes a file (a missing identity file is created by dht.node.start_dht).
+"""
 from __future__ import annotations
 
-from typing import List
+from pathlib import Path
+from typing import List, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MULTIADDR_EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3..."
 
 
 def split_commas(value):
@@ -13,12 +23,58 @@ def split_commas(value):
     return value
 
 
+def check_multiaddr(maddr: str) -> None:
+    """Raise ValueError unless `maddr` parses as a multiaddr (/dns4/... included)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        Multiaddr(maddr)
+    except Exception as e:
+        raise ValueError(f"malformed multiaddr {maddr!r} ({e}); expected e.g. {MULTIADDR_EXAMPLE}")
+
+
+def read_initial_peers_file(path: Path) -> List[str]:
+    """Multiaddrs from a file, one per line; '#' starts a comment; blank lines are ignored.
+
+    :raises ValueError: one line naming the file (and the line, for a malformed address)
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise ValueError(f"cannot read {path} ({reason}); check the path and its permissions")
+    maddrs = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        maddr = line.split("#", 1)[0].strip()
+        if not maddr:
+            continue
+        try:
+            check_multiaddr(maddr)
+        except ValueError as e:
+            raise ValueError(f"{path} line {number}: {e}")
+        maddrs.append(maddr)
+    if not maddrs:
+        raise ValueError(f"{path} lists no multiaddrs; add one per line (e.g. {MULTIADDR_EXAMPLE}) or drop the option")
+    return maddrs
+
+
 class DHTConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     initial_peers: List[str] = Field(
         default_factory=list,
         description="Comma-separated multiaddrs of peers already in the swarm; empty starts a new swarm.",
+    )
+    initial_peers_file: Optional[Path] = Field(
+        default=None,
+        description="File with more initial peers, one multiaddr per line ('#' comments allowed); "
+        "merged with --initial-peers.",
+    )
+    identity: Optional[Path] = Field(
+        default=None,
+        description="Private key file that keeps this peer's ID across restarts; created (mode 0600) if missing, "
+        "never replaced.",
     )
     host_maddrs: List[str] = Field(
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
@@ -33,7 +89,7 @@ class DHTConfig(BaseModel):
         description="Accept no incoming connections (for peers behind NAT); such peers cannot serve state to others.",
     )
     startup_timeout_seconds: float = Field(
-        default=30.0, gt=0, description="How long the p2p daemon may take to start before a retry."
+        default=30.0, gt=0, description="Bound on one start attempt (p2p daemon start and reaching an initial peer) before a retry."
     )
     startup_attempts: int = Field(
         default=3, ge=1, description="Attempts to start the DHT and reach an initial peer, with exponential backoff."
@@ -47,11 +103,30 @@ class DHTConfig(BaseModel):
     @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
     @classmethod
     def _valid_multiaddrs(cls, value: List[str]) -> List[str]:
-        from hivemind.utils.multiaddr import Multiaddr
-
         for maddr in value:
-            try:
-                Multiaddr(maddr)
-            except Exception as e:
-                raise ValueError(f"malformed multiaddr {maddr!r} ({e}); expected e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3...")
+            check_multiaddr(maddr)
         return value
+
+    @field_validator("initial_peers_file")
+    @classmethod
+    def _readable_peers_file(cls, value: Optional[Path]) -> Optional[Path]:
+        if value is not None:
+            read_initial_peers_file(value)
+        return value
+
+    @field_validator("identity")
+    @classmethod
+    def _usable_identity(cls, value: Optional[Path]) -> Optional[Path]:
+        if value is not None:
+            from dht.identity import check_identity_path
+
+            check_identity_path(value)  # IdentityError is a ValueError: reported with the other problems
+        return value
+
+    @model_validator(mode="after")
+    def _merge_peers_file(self) -> "DHTConfig":
+        # Merged once here, so everything downstream (start-up, --client-mode checks, logs) sees one list.
+        if self.initial_peers_file is None:
+            return self
+        merged = list(dict.fromkeys([*self.initial_peers, *read_initial_peers_file(self.initial_peers_file)]))
+        return self.model_copy(update={"initial_peers": merged})

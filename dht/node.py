@@ -3,16 +3,20 @@
 The p2p daemon sometimes needs more than its default 15 s to start, and initial peers are
 sometimes unreachable for a while, so start-up is retried with exponential backoff. When
 retries run out, the error is one line naming every address tried and the last cause.
+With --identity, the key file is created or validated here, before p2pd sees it.
 """
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import hivemind
+import psutil
 
 from dht.config import DHTConfig
+from dht.identity import IdentityError, ensure_identity, is_private
 
 logger = logging.getLogger(__name__)
 
@@ -29,27 +33,48 @@ def start_dht(
     sleep: Callable[[float], None] = time.sleep,
     first_backoff_seconds: float = 1.0,
 ) -> hivemind.DHT:
-    """Start a DHT node; retry with exponential backoff; raise DHTStartError when out of attempts."""
+    """Start a DHT node; retry with exponential backoff; raise DHTStartError when out of attempts.
+
+    Each attempt (p2pd start-up plus reaching an initial peer) is bounded by
+    config.startup_timeout_seconds, so the whole call takes at most about
+    startup_attempts * startup_timeout_seconds plus the backoff between attempts.
+
+    :param identity_path: key file for a stable peer ID; default: config.identity
+    """
+    identity = identity_path if identity_path is not None else config.identity
+    if identity is not None:
+        try:
+            peer_id = ensure_identity(Path(identity))
+        except IdentityError as e:
+            raise DHTStartError(str(e)) from e
+        if not is_private(Path(identity)):
+            logger.warning(f"identity file {identity} is readable by other users; run: chmod 600 {identity}")
+        logger.info(f"peer id {peer_id} from identity file {identity}")
+
     last_error: Optional[BaseException] = None
     backoff = first_backoff_seconds
     for attempt in range(1, config.startup_attempts + 1):
+        dht = hivemind.DHT(
+            initial_peers=list(config.initial_peers) or None,
+            host_maddrs=list(config.host_maddrs),
+            announce_maddrs=list(config.announce_maddrs) or None,
+            client_mode=config.client_mode,
+            record_validators=record_validators,
+            startup_timeout=config.startup_timeout_seconds,
+            identity_path=str(identity) if identity is not None else None,
+            start=False,
+        )
         try:
-            return hivemind.DHT(
-                initial_peers=list(config.initial_peers) or None,
-                host_maddrs=list(config.host_maddrs),
-                announce_maddrs=list(config.announce_maddrs) or None,
-                client_mode=config.client_mode,
-                record_validators=record_validators,
-                startup_timeout=config.startup_timeout_seconds,
-                identity_path=identity_path,
-                start=True,
-                await_ready=True,
-            )
+            dht.run_in_background(await_ready=True, timeout=config.startup_timeout_seconds)
+            return dht
         except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, TimeoutError, ...
+            if isinstance(e, TimeoutError) and not str(e):
+                e = TimeoutError(f"not ready within --startup-timeout-seconds {config.startup_timeout_seconds:g}")
             last_error = e
+            _discard(dht)
             if attempt < config.startup_attempts:
                 logger.warning(
-                    f"DHT start attempt {attempt}/{config.startup_attempts} failed ({_one_line(e)}); "
+                    f"DHT start attempt {attempt}/{config.startup_attempts} failed ({one_line(e)}); "
                     f"retrying in {backoff:.0f}s"
                 )
                 sleep(backoff)
@@ -58,9 +83,26 @@ def start_dht(
     raise DHTStartError(
         f"could not join the swarm after {config.startup_attempts} attempts "
         f"(initial peers tried: {tried}; listening on {', '.join(config.host_maddrs)}); "
-        f"last error: {_one_line(last_error)}; check that an initial peer is running and reachable, "
+        f"last error: {one_line(last_error)}; check that an initial peer is running and reachable, "
         f"or raise --startup-attempts / --startup-timeout-seconds"
-    )
+    ) from last_error
+
+
+def _discard(dht: hivemind.DHT, timeout_seconds: float = 5.0) -> None:
+    """After a failed attempt: make sure its DHT process and p2pd are gone before the next one."""
+    try:
+        children = psutil.Process(dht.pid).children(recursive=True) if dht.pid else []
+    except psutil.Error:
+        children = []
+    dht.join(timeout_seconds)  # a failed start ends the DHT process by itself
+    if dht.is_alive():  # timed out while still starting
+        dht.terminate()
+        dht.join(timeout_seconds)
+    for child in children:  # p2pd, when hivemind did not stop it on the way out
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def visible_maddrs(dht: hivemind.DHT) -> List[str]:
@@ -92,14 +134,15 @@ def shutdown_dht(dht: Optional[hivemind.DHT], timeout_seconds: float = 10.0) -> 
         dht.shutdown()
         dht.join(timeout_seconds)
     except Exception as e:  # hivemind's shutdown can fail noisily once the peer is already half gone
-        logger.debug(f"DHT shutdown raised {_one_line(e)}")
+        logger.debug(f"DHT shutdown raised {one_line(e)}")
     if dht.is_alive():
         logger.warning(f"DHT process did not exit within {timeout_seconds:.0f}s; terminating it")
         dht.terminate()
         dht.join(timeout_seconds)
 
 
-def _one_line(error: Optional[BaseException]) -> str:
+def one_line(error: Optional[BaseException]) -> str:
+    """An exception as one short line: 'TypeName: message'."""
     if error is None:
         return "unknown error"
     text = " ".join(str(error).split()) or type(error).__name__

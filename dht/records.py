@@ -4,6 +4,11 @@ Each peer publishes a PeerInfo under the key "<run_id>_peers", in a subkey that 
 own RSA public key. hivemind's RSASignatureValidator then lets only the owner of that key
 write the subkey, and SchemaValidator rejects values of the wrong shape. hivemind's
 schema validation is built on pydantic v1 models, so these records use `pydantic.v1`.
+RecordLimitsValidator bounds what one peer can make every other node store: values of at
+most MAX_VALUE_BYTES, expiring at most MAX_TTL_SECONDS ahead. A record that expires far in
+the future would outlive its peer and, since the DHT keeps the entry that expires last,
+could never be replaced by that peer's fresh records.
+Every node of a run (peers, bootstrap nodes, `peer status`) installs the same validators.
 """
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ import threading
 from typing import Callable, Dict, List, Optional
 
 import hivemind
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, StrictStr, confloat, conint, conlist, constr
 
@@ -20,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 RECORD_TTL_SECONDS = 15.0
 PUBLISH_PERIOD_SECONDS = 3.0
+MAX_VALUE_BYTES = 4096  # serialized and signed; a typical PeerInfo takes under 1 KiB
+MAX_TTL_SECONDS = 3600.0  # generous: clocks of volunteers' machines drift
 
 
 class PeerInfo(BaseModel):
@@ -46,9 +55,36 @@ def records_key(run_id: str) -> str:
     return f"{run_id}_peers"
 
 
+class RecordLimitsValidator(RecordValidatorBase):
+    """Rejects PeerInfo records that are too large or expire too far in the future.
+
+    Only the run's peers key is checked; other keys (hivemind's own) pass through.
+    """
+
+    def __init__(self, run_id: str, max_value_bytes: int = MAX_VALUE_BYTES, max_ttl_seconds: float = MAX_TTL_SECONDS):
+        self.key_id = DHTID.generate(source=records_key(run_id)).to_bytes()
+        self.max_value_bytes, self.max_ttl_seconds = max_value_bytes, max_ttl_seconds
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self.key_id:
+            return True
+        if len(record.value) > self.max_value_bytes:
+            logger.debug(f"rejected a peer record of {len(record.value)} bytes (limit {self.max_value_bytes})")
+            return False
+        if record.expiration_time > get_dht_time() + self.max_ttl_seconds:
+            logger.debug(f"rejected a peer record expiring {record.expiration_time - get_dht_time():.0f}s ahead")
+            return False
+        return True
+
+    @property
+    def priority(self) -> int:
+        # above RSASignatureValidator's 10: these cheap checks run first, on the signed value as received
+        return 20
+
+
 def record_validators(run_id: str) -> List:
-    """Validators every DHT node of the run must install: typed values in owner-signed subkeys."""
-    return [SchemaValidator(SwarmRecordsSchema, prefix=run_id), RSASignatureValidator()]
+    """Validators every DHT node of the run must install: typed, bounded values in owner-signed subkeys."""
+    return [SchemaValidator(SwarmRecordsSchema, prefix=run_id), RecordLimitsValidator(run_id), RSASignatureValidator()]
 
 
 def read_peer_infos(dht: hivemind.DHT, run_id: str, timeout_seconds: float = 10.0) -> Dict[bytes, PeerInfo]:

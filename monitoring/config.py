@@ -12,12 +12,18 @@ class MonitoringConfig(BaseModel):
     metrics_port: Union[Literal["off"], int] = Field(
         default=0, description="Port for /metrics and /healthz; 0 picks a free port; off disables the endpoint."
     )
-    @field_validator("metrics_port")
+    @field_validator("metrics_port", mode="before")
     @classmethod
-    def _port_range(cls, value):
-        if value != "off" and not 0 <= value <= 65535:
+    def _port_or_off(cls, value):
+        if value == "off":
+            return value
+        try:
+            port = int(value)
+        except (TypeError, ValueError):
+            port = -1
+        if isinstance(value, bool) or not 0 <= port <= 65535 or str(port) != str(value).strip():
             raise ValueError("must be a port in 0..65535 (0 picks a free one) or off")
-        return value
+        return port
 
     metrics_host: str = Field(default="0.0.0.0", description="Address the metrics endpoint listens on.")
     health_window_seconds: float = Field(

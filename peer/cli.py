@@ -115,3 +115,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     except click.exceptions.Abort:
         code = 130
     sys.exit(code or 0)
+
+
+# --- commands that live in their own modules (one import and one add_command each) ---
+from peer.bootstrap import bootstrap  # noqa: E402
+cli.add_command(bootstrap)
+from peer.status import status  # noqa: E402
+cli.add_command(status)
+from peer.monitor import monitor  # noqa: E402
+cli.add_command(monitor)

@@ -1,0 +1,98 @@
+"""A peer's private key on disk (--identity), so that its peer ID survives restarts.
+
+hivemind hands the key file to its p2pd daemon. Left to itself, hivemind creates a missing
+file read-only (0400) and never checks an existing one, so a corrupt key only shows up as
+a p2pd crash. This module creates a missing file itself (mode 0600, written atomically)
+and validates an existing one before anything starts.
+
+It must never replace, rewrite or delete an existing key file: a peer ID that changes
+silently breaks every --initial-peers line that names it.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+KEY_FILE_MODE = 0o600
+
+
+class IdentityError(ValueError):
+    """The --identity file cannot be used; the message is one line naming the path."""
+
+
+def read_identity(path: Path) -> str:
+    """The peer ID (base58) stored in an existing key file; IdentityError if it is unusable."""
+    from hivemind.p2p import PeerID
+
+    path = Path(path)
+    if not path.is_file():
+        raise IdentityError(f"identity file {path} is not a regular file; point --identity at a key file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise IdentityError(
+            f"identity file {path} cannot be read ({e.strerror or e}); fix its permissions or point --identity elsewhere"
+        ) from e
+    try:
+        return PeerID.from_identity(data).to_base58()
+    except Exception as e:  # protobuf DecodeError, cryptography's ValueError, ...: all mean "not a key"
+        raise IdentityError(
+            f"identity file {path} is not a valid private key ({type(e).__name__}); the file was left untouched: "
+            f"restore it from a backup, or pass a path that does not exist yet to create a new identity"
+        ) from e
+
+
+def check_identity_path(path: Path) -> None:
+    """Config-time check: an existing file must hold a valid key; a missing one must be creatable."""
+    path = Path(path)
+    if path.exists():
+        read_identity(path)
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise IdentityError(
+            f"identity file {path}: directory {parent} does not exist; create it or choose another path"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise IdentityError(f"identity file {path}: cannot create the key file in {parent} (not writable)")
+
+
+def ensure_identity(path: Path) -> str:
+    """Create the key file if it is missing (0600, atomically), then return its peer ID."""
+    path = Path(path)
+    if not path.exists():
+        _create_key_file(path)
+    return read_identity(path)
+
+
+def is_private(path: Path) -> bool:
+    """Whether only the owner can read the key file (a group- or world-readable key is a leak)."""
+    return not (Path(path).stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO))
+
+
+def _create_key_file(path: Path) -> None:
+    from hivemind.proto import crypto_pb2
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    # the same format hivemind's P2P.generate_identity writes, which p2pd reads
+    key = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes())
+    parent = path.parent if str(path.parent) else Path(".")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")  # mkstemp creates 0600
+    except OSError as e:
+        raise IdentityError(f"identity file {path}: cannot create the key file ({e.strerror or e})") from e
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(key.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, KEY_FILE_MODE)
+        try:
+            # link, not rename: if another process created the file meanwhile, keep its key, never replace it
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        Path(tmp).unlink(missing_ok=True)

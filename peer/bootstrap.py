@@ -1,0 +1,165 @@
+"""`peer bootstrap`: a DHT-only node that newcomers join through.
+
+It stores and validates the run's swarm records (the same validators as every peer), prints
+its multiaddrs, optionally writes them to a file for others to read with
+--initial-peers-file, and serves until SIGINT/SIGTERM, then leaves cleanly (exit 0).
+It trains nothing, publishes no PeerInfo (it is not a peer of the run) and needs no torch.
+
+Also home of config_options_for(), which gives a command the generated flags of only some
+config fields; `peer status` uses it too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterable, List, Optional
+
+import click
+
+from peer.config import CONFIG_FILE_ENV, OPTIONS, PeerConfig
+
+logger = logging.getLogger("peer.bootstrap")
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ON_SECOND_SIGNAL = 0, 1, 2, 130
+DHT_FIELDS = [name for name, option in OPTIONS.items() if option.section == "dht"]
+BOOTSTRAP_FIELDS = [*DHT_FIELDS, "run_id", "log_format", "verbose"]
+LIVENESS_POLL_SECONDS = 1.0
+
+
+def config_options_for(names: Iterable[str]) -> Callable[[Callable], Callable]:
+    """Like peer.cli.config_options, but only the flags of the given config fields (plus --config).
+
+    Other fields keep their defaults, config-file values and PEER_* variables; the resolved
+    config is still a full PeerConfig, validated in one pass by resolve_config.
+    """
+    selected = [OPTIONS[name] for name in names]
+
+    def decorate(command: Callable) -> Callable:
+        for option in reversed(selected):
+            help_text = f"{option.help} [env: {option.env}; config: {option.dotted}]"
+            if option.is_bool:
+                decls = [f"{option.flag}/--no-{option.flag[2:]}"]
+                command = click.option(*decls, option.name, default=None, help=help_text)(command)
+            else:
+                command = click.option(option.flag, option.name, default=None, metavar="VALUE", help=help_text)(command)
+        return click.option(
+            "--config",
+            "config_file",
+            default=None,
+            envvar=CONFIG_FILE_ENV,
+            type=click.Path(path_type=Path, dir_okay=False),
+            help=f"TOML or YAML file with [training], [dht], ... sections. [env: {CONFIG_FILE_ENV}]",
+        )(command)
+
+    return decorate
+
+
+@click.command()
+@config_options_for(BOOTSTRAP_FIELDS)
+@click.option(
+    "--write-maddrs",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Write this node's multiaddrs here, one per line (atomically), for --initial-peers-file.",
+)
+@click.pass_context
+def bootstrap(ctx: click.Context, write_maddrs: Optional[Path], **params: Any) -> None:
+    """Run a DHT-only bootstrap node for a swarm: it trains nothing; peers join through it."""
+    from peer.cli import resolve_config  # not at import time: peer.cli imports this module at its end
+
+    config = resolve_config(ctx, params)
+    if config.dht.client_mode:
+        click.echo(
+            "error: --client-mode: a bootstrap node must accept incoming connections; drop --client-mode "
+            "(or unset PEER_CLIENT_MODE)",
+            err=True,
+        )
+        ctx.exit(EXIT_BAD_INPUT)
+    ctx.exit(run_bootstrap(config, write_maddrs))
+
+
+def run_bootstrap(config: PeerConfig, write_maddrs: Optional[Path] = None) -> int:
+    from dht.node import DHTStartError, quiet_dht_logs, shutdown_dht, start_dht, visible_maddrs
+    from dht.records import record_validators
+    from peer import lifeline
+    from peer.logs import setup_logging, silence_hivemind
+
+    lifeline.install()
+    setup_logging(config.logging.log_format, config.logging.verbose)
+    logger.info(f"bootstrap node for run {config.training.run_id}; dht config: {config.dht.model_dump_json()}")
+    stop = _Stop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop.handle)
+    dht = None
+    try:
+        dht = start_dht(config.dht, record_validators=record_validators(config.training.run_id))
+        maddrs = visible_maddrs(dht)
+        if write_maddrs is not None:
+            write_lines_atomically(write_maddrs, maddrs)
+        print_addresses(config, str(dht.peer_id), maddrs, write_maddrs)
+        while not stop.event.wait(LIVENESS_POLL_SECONDS):
+            if not dht.is_alive():
+                logger.error("the DHT process died; exiting (check the log above, rerun with --verbose)")
+                return EXIT_FAILED
+        return EXIT_OK
+    except DHTStartError as e:
+        logger.error(str(e))
+        return EXIT_FAILED
+    except OSError as e:
+        logger.error(f"--write-maddrs {write_maddrs}: cannot write ({e.strerror or e}); check the directory")
+        return EXIT_FAILED
+    finally:
+        silence_hivemind()
+        if not config.logging.verbose:
+            quiet_dht_logs(dht)
+        shutdown_dht(dht)
+        logger.info("bootstrap node stopped")
+
+
+class _Stop:
+    """The first SIGINT/SIGTERM asks for a clean exit; a second one exits at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def handle(self, signum, frame) -> None:
+        from peer.lifeline import kill_descendants
+
+        name = signal.Signals(signum).name
+        if self.event.is_set():
+            logger.warning(f"second {name}: exiting now")
+            kill_descendants()
+            os._exit(EXIT_ON_SECOND_SIGNAL)
+        logger.info(f"{name} received: leaving the swarm (send it again to exit at once)")
+        self.event.set()
+
+
+def print_addresses(config: PeerConfig, peer_id: str, maddrs: List[str], written_to: Optional[Path]) -> None:
+    lines = [f"bootstrap node {peer_id} for run {config.training.run_id}; multiaddrs:"]
+    lines += [f"  {maddr}" for maddr in maddrs]
+    if written_to is not None:
+        lines.append(f"(written to {written_to}; peers can pass --initial-peers-file {written_to})")
+    if maddrs:
+        lines += ["To join this swarm, run:", f"  peer start --run-id {config.training.run_id} --initial-peers {maddrs[0]}"]
+    print("\n".join(lines), flush=True)
+
+
+def write_lines_atomically(path: Path, lines: List[str]) -> None:
+    """Readers see either the old file or the whole new one, never half of it."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{line}\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the addresses from the peers' service users
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,93 @@
+"""`peer monitor`: export the whole swarm's state as one Prometheus target.
+
+Joins the DHT as a client, reads every peer's record and the run's progress every few
+seconds (the same snapshot as `peer status --json`), and serves it on /metrics with the
+swarm_* metrics of monitoring.swarm_metrics. /healthz is 503 when the swarm could not be
+read for longer than the health window. Runs until SIGINT/SIGTERM, then exits 0.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import click
+
+from peer.bootstrap import config_options_for
+
+logger = logging.getLogger("peer.monitor")
+
+MONITOR_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "target_batch_size", "metrics_port",
+                  "metrics_host", "health_window_seconds", "log_format", "verbose"]
+
+
+@click.command()
+@config_options_for(MONITOR_FIELDS)
+@click.option("--refresh-seconds", type=click.FloatRange(min=0.5), default=5.0, show_default=True,
+              help="How often to read the swarm's records.")
+@click.option("--timeout-seconds", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Give up (exit 1) if the swarm cannot be joined within this long.")
+@click.pass_context
+def monitor(ctx: click.Context, refresh_seconds: float, timeout_seconds: float, **params: Any) -> None:
+    """Export swarm-level metrics for every peer (joins as a client; changes nothing)."""
+    from peer.cli import resolve_config
+
+    config = resolve_config(ctx, params)
+    if not config.dht.initial_peers:
+        click.echo("error: peer monitor needs --initial-peers or --initial-peers-file: "
+                   "the address of any peer or bootstrap node of the swarm", err=True)
+        ctx.exit(2)
+    if config.monitoring.metrics_port == "off":
+        click.echo("error: --metrics-port off: the monitor exists to serve metrics; give it a port", err=True)
+        ctx.exit(2)
+    ctx.exit(run_monitor(config, refresh_seconds, timeout_seconds))
+
+
+def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from dht.node import quiet_dht_logs, shutdown_dht
+    from monitoring import HealthCheck, MetricsExporter, MetricsPortInUseError
+    from monitoring.swarm_metrics import SwarmCollector
+    from peer import lifeline
+    from peer.logs import setup_logging, silence_hivemind
+    from peer.signals import StopRequest
+    from peer.status import SwarmUnreachable, join_as_client, read_swarm
+
+    lifeline.install()
+    setup_logging(config.logging.log_format, config.logging.verbose)
+    stop = StopRequest()
+    stop.install_handlers()
+    registry = CollectorRegistry()
+    collector = SwarmCollector(clock=time.monotonic)
+    registry.register(collector)
+    health = HealthCheck(config.monitoring.health_window_seconds)
+    exporter = MetricsExporter(registry, config.monitoring.metrics_port, config.monitoring.metrics_host, health=health)
+    dht = None
+    try:
+        try:
+            port = exporter.start()
+        except MetricsPortInUseError as e:
+            click.echo(f"error: {e}", err=True)
+            return 2
+        logger.info(f"swarm metrics on http://{config.monitoring.metrics_host}:{port}/metrics")
+        dht = join_as_client(config, timeout_seconds)
+        stop.install_handlers()  # hivemind may have replaced SIGINT while starting
+        while not stop:
+            try:
+                snapshot = read_swarm(dht, config, timeout_seconds)
+                collector.update(snapshot)
+                health.beat()
+            except SwarmUnreachable as e:  # keep serving the last snapshot; /healthz tells the age
+                logger.warning(str(e))
+            stop.wait(refresh_seconds)
+        return 0
+    except SwarmUnreachable as e:
+        click.echo(f"error: {e}", err=True)
+        return 1
+    finally:
+        silence_hivemind()
+        if not config.logging.verbose:
+            quiet_dht_logs(dht)
+        shutdown_dht(dht)
+        exporter.stop()

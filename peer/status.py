@@ -1,0 +1,216 @@
+"""`peer status`: who is in the swarm and how it is doing, from any machine that can reach it.
+
+Joins the DHT as a client (it accepts no connections and stores nothing), reads every live
+PeerInfo record and hivemind's progress record of the run, and prints a table (or one
+JSON object per refresh with --json). Swarm totals follow hivemind's ProgressTracker:
+the global epoch is the highest epoch of a non-client peer, and only peers at that epoch
+count toward the target. It must never write to the DHT: a ProgressTracker would publish
+a progress record and be counted as a training peer, so the record is parsed here.
+
+Exit codes: 0 after printing (or Ctrl+C under --watch), 1 when the swarm cannot be
+reached within --timeout-seconds, 2 for bad input.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Dict, List, Optional
+
+import click
+
+from peer.bootstrap import config_options_for
+from peer.config import PeerConfig
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+STATUS_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "target_batch_size", "verbose"]
+SHORT_ID_CHARS = 8
+
+
+class SwarmUnreachable(Exception):
+    """The swarm could not be joined or read in time; the message is one line."""
+
+
+@click.command()
+@config_options_for(STATUS_FIELDS)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: {\"swarm\": {...}, \"peers\": [...]}.")
+@click.option("--watch", type=click.FloatRange(min=0.5), default=None, metavar="SECONDS",
+              help="Refresh every SECONDS until Ctrl+C.")
+@click.option("--timeout-seconds", type=click.FloatRange(min=0, min_open=True), default=20.0, show_default=True,
+              help="Give up (exit 1) if the swarm cannot be joined and read within this long.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool, watch: Optional[float], timeout_seconds: float, **params: Any) -> None:
+    """Show the swarm's peers and progress (joins as a client; changes nothing)."""
+    from peer.cli import resolve_config  # not at import time: peer.cli imports this module at its end
+
+    config = resolve_config(ctx, params)
+    if not config.dht.initial_peers:
+        click.echo("error: peer status needs --initial-peers or --initial-peers-file: "
+                   "the address of any peer or bootstrap node of the swarm", err=True)
+        ctx.exit(EXIT_BAD_INPUT)
+    ctx.exit(run_status(config, as_json, watch, timeout_seconds))
+
+
+def run_status(config: PeerConfig, as_json: bool, watch: Optional[float], timeout_seconds: float) -> int:
+    from dht.node import quiet_dht_logs, shutdown_dht
+    from peer import lifeline
+    from peer.logs import setup_logging, silence_hivemind
+
+    lifeline.install()
+    setup_logging("text", config.logging.verbose)
+    dht = None
+    try:
+        deadline = time.monotonic() + timeout_seconds
+        dht = join_as_client(config, timeout_seconds)
+        while True:
+            report = read_swarm(dht, config, max(1.0, deadline - time.monotonic()))
+            if as_json:
+                click.echo(json.dumps(report))
+            else:
+                print_table(report, clear=watch is not None)
+            if watch is None:
+                return EXIT_OK
+            time.sleep(watch)
+            deadline = time.monotonic() + timeout_seconds
+    except SwarmUnreachable as e:
+        click.echo(f"error: {e}", err=True)
+        return EXIT_FAILED
+    except KeyboardInterrupt:  # the way out of --watch
+        return EXIT_OK
+    finally:
+        silence_hivemind()
+        if not config.logging.verbose:
+            quiet_dht_logs(dht)
+        shutdown_dht(dht)
+
+
+def join_as_client(config: PeerConfig, timeout_seconds: float):
+    from dht.node import DHTStartError, one_line, start_dht
+    from dht.records import record_validators
+    from hivemind.dht.schema import SchemaValidator
+    from hivemind.optim.progress_tracker import TrainingProgressSchema
+
+    dht_config = config.dht.model_copy(
+        update=dict(client_mode=True, startup_attempts=1, startup_timeout_seconds=timeout_seconds, identity=None)
+    )
+    # hivemind's validators strip signatures on read; without them signed values would not parse
+    validators = [*record_validators(config.training.run_id),
+                  SchemaValidator(TrainingProgressSchema, prefix=config.training.run_id)]
+    try:
+        return start_dht(dht_config, record_validators=validators)
+    except DHTStartError as e:
+        cause = one_line(e.__cause__) if e.__cause__ is not None else str(e)
+        raise SwarmUnreachable(
+            f"could not reach the swarm via {', '.join(config.dht.initial_peers)} within {timeout_seconds:g}s "
+            f"({cause}); check the address, or raise --timeout-seconds"
+        ) from e
+
+
+def read_swarm(dht, config: PeerConfig, timeout_seconds: float) -> Dict[str, Any]:
+    """One snapshot: {"swarm": totals, "peers": one dict per live peer}."""
+    from hivemind.utils import get_dht_time
+
+    from dht.records import read_peer_infos
+
+    run_id = config.training.run_id
+    try:
+        infos = read_peer_infos(dht, run_id, timeout_seconds)
+        progress = read_progress(dht, run_id, timeout_seconds)
+    except Exception as e:  # a timeout or a DHT that went away: the swarm is not readable
+        raise SwarmUnreachable(f"could not read the swarm's records within {timeout_seconds:.0f}s "
+                               f"({type(e).__name__}); check the address, or raise --timeout-seconds") from e
+    now, dht_now = time.time(), get_dht_time()
+    latest: Dict[str, Any] = {}  # by peer id: a restarted peer keeps its id (--identity) but signs with a new key
+    for info in infos.values():
+        if info.peer_id not in latest or info.time > latest[info.peer_id].time:
+            latest[info.peer_id] = info
+    peers = [describe_peer(info, now) for info in sorted(latest.values(), key=lambda info: info.peer_id)]
+    swarm = swarm_totals(progress, config.averaging.target_batch_size, dht_now)
+    swarm["run_id"] = run_id
+    swarm["peers"] = len(peers)
+    swarm["samples_per_second"] = round(float(sum(peer["samples_per_second"] for peer in peers)), 3)
+    if not progress and peers:
+        swarm["global_epoch"] = max((p["epoch"] for p in peers if not p["client_mode"]), default=0)
+    return {"swarm": swarm, "peers": peers}
+
+
+def read_progress(dht, run_id: str, timeout_seconds: float) -> List[Any]:
+    """Live entries of hivemind's progress record (one per training peer)."""
+    from hivemind.optim.progress_tracker import LocalTrainingProgress
+    from hivemind.utils import get_dht_time
+
+    found = dht.get(f"{run_id}_progress", latest=True, return_future=True).result(timeout=timeout_seconds)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    now, entries = get_dht_time(), []
+    for entry in found.value.values():
+        if entry.value is None or entry.expiration_time < now:
+            continue
+        try:
+            entries.append(LocalTrainingProgress.parse_obj(entry.value))
+        except Exception:  # not a progress entry: skip it, as hivemind's tracker would reject it
+            continue
+    return entries
+
+
+def swarm_totals(progress: List[Any], target_batch_size: int, now: float) -> Dict[str, Any]:
+    """Global epoch, samples toward the target and the ETA of the next epoch, as hivemind derives them."""
+    trainers = [entry for entry in progress if not entry.client_mode]
+    global_epoch = max((entry.epoch for entry in trainers or progress), default=0)
+    current = [entry for entry in progress if entry.epoch == global_epoch]
+    accumulated = sum(entry.samples_accumulated for entry in current)
+    estimated = sum(entry.samples_accumulated + max(0.0, now - entry.time) * entry.samples_per_second
+                    for entry in current)
+    total_speed = sum(entry.samples_per_second for entry in progress)
+    remaining = max(0.0, target_batch_size - estimated)
+    eta = remaining / total_speed if total_speed > 0 else None
+    return {
+        "global_epoch": global_epoch,
+        "samples_accumulated": accumulated,
+        "target_batch_size": target_batch_size,
+        "progress": round(min(1.0, accumulated / target_batch_size), 4),
+        "eta_next_epoch_seconds": None if eta is None else round(eta, 2),
+        "training_peers": len(progress),
+    }
+
+
+def describe_peer(info, now: float) -> Dict[str, Any]:
+    return {
+        "peer_id": info.peer_id,
+        "short_id": info.peer_id[-SHORT_ID_CHARS:],
+        "device": info.device,
+        "version": info.version,
+        "client_mode": info.client_mode,
+        "samples_per_second": round(info.samples_per_second, 3),
+        "epoch": info.global_epoch,
+        "bottleneck": info.bottleneck,
+        "fractions": info.fractions,
+        "uptime_seconds": round(info.uptime_seconds, 1),
+        "last_seen_seconds": round(max(0.0, now - info.time), 1),
+    }
+
+
+def print_table(report: Dict[str, Any], clear: bool = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    swarm, console = report["swarm"], Console()
+    if not console.is_terminal:  # piped or logged: rich would assume 80 columns and wrap device names
+        console = Console(width=120)
+    table = Table(title=f"swarm {swarm['run_id']}", title_justify="left")
+    for column, justify in [("peer", "left"), ("device", "left"), ("samples/s", "right"), ("epoch", "right"),
+                            ("bottleneck", "left"), ("last seen", "right")]:
+        table.add_column(column, justify=justify, no_wrap=column != "device")
+    for peer in report["peers"]:
+        table.add_row(
+            peer["short_id"] + (" (client)" if peer["client_mode"] else ""), peer["device"],
+            f"{peer['samples_per_second']:.1f}", str(peer["epoch"]), peer["bottleneck"] or "-",
+            f"{peer['last_seen_seconds']:.0f}s ago",
+        )
+    eta = swarm["eta_next_epoch_seconds"]
+    if clear:
+        console.clear()
+    console.print(table)
+    console.print(f"swarm: {swarm['peers']} peers, {swarm['samples_per_second']:.1f} samples/s, "
+                  f"global epoch {swarm['global_epoch']}")
+    console.print(f"next epoch: {swarm['samples_accumulated']}/{swarm['target_batch_size']} samples "
+                  f"({swarm['progress']:.0%}), ETA {'unknown' if eta is None else f'~{eta:.0f}s'}")

@@ -1,0 +1,112 @@
+"""start_dht with real hivemind nodes on 127.0.0.1: stable identity, initial peers, bounded retries."""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import psutil
+import pytest
+from hivemind.utils import get_dht_time
+
+from dht.config import DHTConfig
+from dht.node import DHTStartError, shutdown_dht, start_dht, visible_maddrs
+from dht.records import record_validators
+from peer.config import load_config
+from tests.peers import session_processes
+
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+FAST = dict(host_maddrs=LOCAL, startup_timeout_seconds=20.0)
+
+
+@pytest.fixture
+def dhts():
+    """Start DHT nodes that are shut down at teardown, on every path."""
+    started = []
+
+    def _start(config: DHTConfig, **kwargs):
+        dht = start_dht(config, record_validators=record_validators("test"), **kwargs)
+        started.append(dht)
+        return dht
+
+    try:
+        yield _start
+    finally:
+        for dht in reversed(started):
+            shutdown_dht(dht)
+
+
+@pytest.mark.timeout(90)
+def test_identity_keeps_the_peer_id_across_restarts(tmp_path: Path, dhts):
+    key = tmp_path / "identity.key"
+    first = dhts(DHTConfig(identity=key, **FAST))
+    peer_id = first.peer_id
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    content = key.read_bytes()
+    shutdown_dht(first)
+
+    again = dhts(DHTConfig(identity=key, **FAST))
+    assert again.peer_id == peer_id
+    assert key.read_bytes() == content
+
+
+def test_corrupt_identity_fails_before_starting_and_is_left_untouched(tmp_path: Path):
+    key = tmp_path / "identity.key"
+    key.write_bytes(b"\x08\x00\x12\x03abc")  # a protobuf header with a garbage RSA key
+    key.chmod(0o600)
+    before = key.stat()
+    with pytest.raises(DHTStartError) as error:
+        # bypasses config validation, as a key damaged after load would
+        start_dht(DHTConfig.model_construct(**{**DHTConfig().model_dump(), "identity": key}))
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"identity file {key} is not a valid private key" in message
+    assert key.read_bytes() == b"\x08\x00\x12\x03abc"
+    assert key.stat().st_mtime_ns == before.st_mtime_ns and key.stat().st_mode == before.st_mode
+
+
+@pytest.mark.timeout(120)
+def test_initial_peers_from_file_and_from_env(tmp_path: Path, dhts):
+    first = dhts(DHTConfig(**FAST))
+    peers_file = tmp_path / "peers.txt"
+    peers_file.write_text("# the first node\n" + "\n".join(visible_maddrs(first)) + "\n")
+    assert first.store("greeting", "hello", expiration_time=get_dht_time() + 60)
+
+    common = {"host_maddrs": LOCAL[0], "startup_timeout_seconds": "20"}
+    from_file = load_config(flags={**common, "initial_peers_file": str(peers_file)}).dht
+    from_env = load_config(environ={"PEER_INITIAL_PEERS": ",".join(visible_maddrs(first))}, flags=common).dht
+    assert from_file.initial_peers == from_env.initial_peers == visible_maddrs(first)
+
+    for config in (from_file, from_env):
+        joined = dhts(config)
+        found = joined.get("greeting", latest=True, return_future=True).result(timeout=20)
+        assert found is not None and found.value == "hello"
+
+
+@pytest.mark.timeout(90)
+def test_unreachable_initial_peer_is_retried_then_one_line_error(tmp_path: Path):
+    # a well-formed address of a peer that does not exist: a closed port and someone's peer id
+    address = "/ip4/127.0.0.1/tcp/1/p2p/QmZurcthsZnDEsqwnnY67QJW6mAXMS3VayxHZMFQ6QHNKX"
+    config = DHTConfig(initial_peers=[address], host_maddrs=LOCAL, startup_attempts=3, startup_timeout_seconds=10)
+    slept = []
+    p2pds_before = set(session_p2pds())
+    with pytest.raises(DHTStartError) as error:
+        start_dht(config, sleep=slept.append, first_backoff_seconds=0.5)
+    assert slept == [0.5, 1.0]  # exponential backoff between the three attempts
+    message = str(error.value)
+    assert "\n" not in message
+    assert "after 3 attempts" in message and address in message and "last error: " in message
+    assert error.value.__cause__ is not None
+    assert set(session_p2pds()) <= p2pds_before, "a failed attempt left a p2pd behind"
+
+
+def session_p2pds():
+    """p2pd daemons in this test's session: an orphan keeps its session when it is reparented."""
+    found = []
+    for process in session_processes(os.getsid(0)):
+        try:
+            if "p2pd" in " ".join(process.cmdline()):
+                found.append(process.pid)
+        except psutil.Error:  # it exited meanwhile
+            continue
+    return found
