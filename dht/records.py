@@ -141,6 +141,14 @@ class PeerInfoPublisher(threading.Thread):
             self._stop_event.wait(self.period_seconds)
 
     def stop(self, timeout_seconds: float = 5.0) -> None:
+        """Stop publishing and say goodbye: an empty record, so that status and monitors drop us at once."""
         self._stop_event.set()
         if self.is_alive():
             self.join(timeout_seconds)
+        try:
+            self.dht.store(
+                self.key, subkey=self.owner_key, value=None,
+                expiration_time=get_dht_time() + self.ttl_seconds, return_future=True,
+            ).result(timeout=timeout_seconds)
+        except Exception as e:  # best-effort: the record expires by itself within its TTL
+            logger.debug(f"could not withdraw peer record: {e!r}")

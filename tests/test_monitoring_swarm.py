@@ -1,0 +1,64 @@
+"""The swarm monitor: per-peer series from DHT records, removed when a peer leaves."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from monitoring.swarm_metrics import SWARM_METRICS, SwarmCollector
+from tests.peers import FAST_SWARM_ARGS, wait_until
+from tests.test_monitoring_peers import free_port, scrape, value
+
+
+def snapshot(*short_ids: str) -> dict:
+    peers = [
+        {"short_id": short_id, "device": "cpu", "version": "0.1.0", "client_mode": False, "samples_per_second": 10.0,
+         "epoch": 3, "bottleneck": "compute", "fractions": {"compute": 0.8, "other": 0.2}, "last_seen_seconds": 1.0}
+        for short_id in short_ids
+    ]
+    swarm = {"peers": len(peers), "global_epoch": 3, "samples_per_second": 10.0 * len(peers), "progress": 0.25,
+             "eta_next_epoch_seconds": None}
+    return {"swarm": swarm, "peers": peers}
+
+
+def test_collector_renders_the_latest_snapshot_only():
+    registry = CollectorRegistry()
+    collector = SwarmCollector(clock=lambda: 100.0)
+    registry.register(collector)
+    assert generate_latest(registry) == b""  # nothing before the first read of the swarm
+
+    collector.update(snapshot("aaaaaaaa", "bbbbbbbb"))
+    assert registry.get_sample_value("swarm_peers") == 2
+    assert registry.get_sample_value("swarm_peer_bottleneck", {"peer": "aaaaaaaa", "category": "compute"}) == 1
+    assert registry.get_sample_value("swarm_peer_category_fraction",
+                                     {"peer": "bbbbbbbb", "category": "preprocessing"}) == 0
+    exposed = generate_latest(registry).decode()
+    assert all(name in exposed for name in SWARM_METRICS)
+
+    collector.update(snapshot("aaaaaaaa"))
+    assert registry.get_sample_value("swarm_peers") == 1
+    assert registry.get_sample_value("swarm_peer_global_epoch", {"peer": "bbbbbbbb"}) is None
+    assert registry.get_sample_value("swarm_peer_global_epoch", {"peer": "aaaaaaaa"}) == 3
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_monitor_follows_peers_joining_and_leaving(spawn):
+    common = [*FAST_SWARM_ARGS, "--target-batch-size", "64", "--min-peers", "2"]
+    first = spawn("a", "start", *common)
+    address = first.join_address()
+    second = spawn("b", "start", *common, "--initial-peers", address)
+    port = free_port()
+    spawn("monitor", "monitor", "--initial-peers", address, "--metrics-port", str(port), "--refresh-seconds", "1")
+
+    wait_until(lambda: value(scrape(port), "swarm_peers") == 2, 90, interval=1.0, message="the monitor to see 2 peers")
+    samples = scrape(port)
+    peers = {dict(labels)["peer"] for name, labels in samples if name == "swarm_peer_info"}
+    assert len(peers) == 2 and all(len(peer) == 8 for peer in peers)
+
+    second.send(signal.SIGTERM)
+    assert second.wait(30) == 0
+    wait_until(lambda: value(scrape(port), "swarm_peers") == 1, 60, interval=1.0, message="the departed peer to vanish")
+    remaining = {dict(labels)["peer"] for name, labels in scrape(port) if name == "swarm_peer_info"}
+    assert len(remaining) == 1 and remaining < peers
