@@ -76,6 +76,11 @@ class DHTConfig(BaseModel):
         description="Private key file that keeps this peer's ID across restarts; created (mode 0600) if missing, "
         "never replaced.",
     )
+    swarm_key: Optional[Path] = Field(
+        default=None,
+        description="File with a shared secret (at least 16 bytes); only peers holding the same secret average "
+        "together.",
+    )
     host_maddrs: List[str] = Field(
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
         description="Multiaddrs to listen on; tcp/0 picks a free port.",
@@ -121,6 +126,15 @@ class DHTConfig(BaseModel):
             from dht.identity import check_identity_path
 
             check_identity_path(value)  # IdentityError is a ValueError: reported with the other problems
+        return value
+
+    @field_validator("swarm_key")
+    @classmethod
+    def _usable_swarm_key(cls, value: Optional[Path]) -> Optional[Path]:
+        if value is not None:
+            from dht.swarm_key import read_swarm_key
+
+            read_swarm_key(value)  # SwarmKeyError is a ValueError: reported with the other problems
         return value
 
     @model_validator(mode="after")

@@ -40,7 +40,7 @@ class TrainingConfig(BaseModel):
     run_id: str = Field(
         default="swarmtrain",
         min_length=1,
-        pattern=r"^[A-Za-z0-9_.-]+$",
+        pattern=r"^[A-Za-z0-9_-]+$",  # hivemind builds DHT key prefixes from it and forbids "."
         description="Name of the training run; peers with the same run id train together.",
     )
     task: str = Field(default="bytelm", min_length=1, description="Built-in task name or module:function.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 import warnings
 
@@ -46,12 +47,25 @@ def setup_logging(log_format: str = "text", verbose: bool = False) -> None:
         handler.addFilter(_DropTracebacks())
     # hivemind steps the LR scheduler itself after downloading state; torch's warning about the order is moot
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+    if not verbose:
+        _quiet_background_failures()
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     for name in HIVEMIND_LOGGERS:
         logging.getLogger(name).setLevel(logging.INFO if verbose else logging.WARNING)
         logging.getLogger(name).propagate = True
+
+
+def _quiet_background_failures() -> None:
+    """hivemind's threads and finalizers can raise while a failed peer unwinds; say so in one line."""
+    log = logging.getLogger("peer")
+
+    def thread_failed(args: threading.ExceptHookArgs) -> None:
+        log.error(f"background thread {args.thread.name if args.thread else '?'} failed: {args.exc_value!r}")
+
+    threading.excepthook = thread_failed
+    sys.unraisablehook = lambda unraisable: log.debug(f"ignored in finalizer: {unraisable.exc_value!r}")
 
 
 def silence_hivemind() -> None:

@@ -22,6 +22,10 @@ class PeerSummary(BaseModel):
     val_loss_last: Optional[float] = None
     phase_seconds: Dict[str, float] = Field(default_factory=dict)
     averaging_rounds: Dict[str, int] = Field(default_factory=lambda: {"ok": 0, "failed": 0, "timeout": 0, "skipped": 0})
+    largest_group: int = 0
+    """The most peers in one successful averaging round."""
+    longest_step_seconds: float = 0.0
+    """The longest local step, averaging and state downloads included: how long this peer ever blocked."""
     state_downloads: int = 0
     resumed_from: Optional[str] = None
     exit_reason: str = "running"

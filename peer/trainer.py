@@ -18,7 +18,8 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from averaging.optimizer import AveragingHooks, RoundReport, SwarmOptimizer, build_swarm_optimizer
+from averaging.optimizer import AveragingHooks, RoundReport, build_swarm_optimizer
+from dht.swarm_key import training_namespace
 from monitoring import PhaseTimer
 from peer.checkpoint import CheckpointStore
 from peer.config import PeerConfig
@@ -90,7 +91,7 @@ class Trainer:
         self.optimizer = build_swarm_optimizer(
             config.averaging,
             dht=dht,
-            run_id=config.training.run_id,
+            run_id=training_namespace(config.training.run_id, config.dht.swarm_key),
             params=self.model.parameters(),
             optimizer_factory=task.build_optimizer,
             scheduler_factory=task.build_scheduler,
@@ -164,6 +165,8 @@ class Trainer:
 
     def _on_round(self, report: RoundReport) -> None:
         self.summary.averaging_rounds[report.outcome] = self.summary.averaging_rounds.get(report.outcome, 0) + 1
+        if report.outcome == "ok":
+            self.summary.largest_group = max(self.summary.largest_group, report.group_size)
         self.observer.on_round(report, self._payload_bytes)
 
     def _on_state_loaded(self, epoch: int) -> None:
@@ -244,7 +247,9 @@ class Trainer:
                 return f"signal:{self.stop.signal_name}"
 
             epoch_before = self.optimizer.local_epoch
+            step_started = time.monotonic()
             loss = self._step(batches)
+            self.summary.longest_step_seconds = max(self.summary.longest_step_seconds, time.monotonic() - step_started)
             stats.samples += self.batch_size
             stats.steps += 1
             stats.loss_sum += loss

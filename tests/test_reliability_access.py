@@ -1,0 +1,61 @@
+"""--swarm-key: a peer with the wrong secret cannot join a round, and the others keep training."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dht.swarm_key import SwarmKeyError, read_swarm_key, training_namespace
+from tests.peers import FAST_SWARM_ARGS, load_model_state, max_parameter_difference
+
+
+def test_namespace_depends_on_the_secret(tmp_path: Path):
+    key_a, key_b = tmp_path / "a.key", tmp_path / "b.key"
+    key_a.write_text("0123456789abcdef-secret-a\n")
+    key_b.write_text("0123456789abcdef-secret-b\n")
+    assert training_namespace("run", None) == "run"
+    assert training_namespace("run", key_a) == training_namespace("run", key_a)
+    assert training_namespace("run", key_a) != training_namespace("run", key_b)
+    assert "secret" not in training_namespace("run", key_a)
+
+
+def test_short_or_missing_key_is_a_clear_error(tmp_path: Path):
+    short = tmp_path / "short.key"
+    short.write_text("tiny")
+    with pytest.raises(SwarmKeyError, match="fewer than 16"):
+        read_swarm_key(short)
+    with pytest.raises(SwarmKeyError, match="cannot read swarm key"):
+        read_swarm_key(tmp_path / "missing.key")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(200)
+def test_peer_with_wrong_key_cannot_join_a_round(spawn, tmp_path: Path):
+    good, bad = tmp_path / "good.key", tmp_path / "bad.key"
+    good.write_text("a-shared-secret-for-the-swarm")
+    bad.write_text("somebody-elses-secret-entirely")
+    epochs = 6
+
+    def start(name: str, key: Path, *extra: str):
+        return spawn(name, "start", *FAST_SWARM_ARGS, "--target-batch-size", "32", "--max-epochs", str(epochs),
+                     "--swarm-key", str(key), "--checkpoint-dir", str(tmp_path / name),
+                     "--summary-json", str(tmp_path / f"{name}.json"), *extra)
+
+    first = start("a", good, "--min-peers", "2")
+    address = first.join_address()
+    intruder = start("intruder", bad, "--initial-peers", address, "--max-seconds", "60")
+    second = start("b", good, "--min-peers", "2", "--initial-peers", address)
+    for peer in (first, second):
+        assert peer.wait(150) == 0, peer.log()[-3000:]
+
+    a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("a", "b"))
+    for summary in (a, b):
+        assert summary["global_epoch"] == epochs
+        assert summary["averaging_rounds"]["ok"] >= 1
+        assert summary["largest_group"] == 2  # never three: the intruder was never in a group
+    assert max_parameter_difference(load_model_state(tmp_path / "a"), load_model_state(tmp_path / "b")) <= 1e-5
+
+    assert intruder.wait(90) == 0, intruder.log()[-3000:]
+    stranger = json.loads((tmp_path / "intruder.json").read_text())
+    assert stranger["averaging_rounds"]["ok"] == 0 and stranger["largest_group"] == 0
