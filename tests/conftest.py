@@ -24,3 +24,13 @@ def spawn(tmp_path: Path) -> Iterator:
     finally:
         for process in started:
             process.kill_everything()
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--soak-seconds", type=float, default=180.0,
+                     help="How long the churn soak kills and restarts peers (default: 180, as in CI).")
+
+
+@pytest.fixture
+def soak_seconds(request) -> float:
+    return request.config.getoption("--soak-seconds")
