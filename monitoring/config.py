@@ -1,9 +1,14 @@
 """MonitoringConfig: the metrics endpoint and health check of one peer."""
 from __future__ import annotations
 
+import ipaddress
+import re
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
 
 class MonitoringConfig(BaseModel):
@@ -26,6 +31,16 @@ class MonitoringConfig(BaseModel):
         return port
 
     metrics_host: str = Field(default="0.0.0.0", description="Address the metrics endpoint listens on.")
+
+    @field_validator("metrics_host")
+    @classmethod
+    def _ip_or_hostname(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            if not HOSTNAME.fullmatch(value):
+                raise ValueError("must be an IP address (0.0.0.0 for all interfaces) or a host name") from None
+        return value
     health_window_seconds: float = Field(
         default=300.0,
         gt=0,

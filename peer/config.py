@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Type
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from averaging.config import AveragingConfig
 from dht.config import DHTConfig
@@ -53,10 +53,23 @@ class TrainingConfig(BaseModel):
     val_batches: int = Field(default=8, ge=1, description="Validation batches evaluated at each global epoch.")
 
 
+def _not_a_file(path: Path) -> Path:
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory; choose a directory path")
+    return path
+
+
+def _not_a_directory(path: Optional[Path]) -> Optional[Path]:
+    if path is not None and path.is_dir():
+        raise ValueError(f"{path} is a directory; give a file path such as {path / 'summary.json'}")
+    return path
+
+
 class CheckpointConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     checkpoint_dir: Path = Field(default=Path("checkpoints"), description="Directory for this peer's checkpoints.")
+    _dir_is_a_directory = field_validator("checkpoint_dir")(_not_a_file)
     checkpoint_every_epochs: int = Field(default=10, ge=1, description="Write a checkpoint every this many epochs.")
     keep_checkpoints: int = Field(default=3, ge=1, description="How many newest checkpoints to keep.")
 
@@ -67,6 +80,7 @@ class LoggingConfig(BaseModel):
     log_format: Literal["text", "json"] = Field(default="text", description="Plain text lines or JSON lines.")
     verbose: bool = Field(default=False, description="Debug logs, hivemind's internals and tracebacks.")
     summary_json: Optional[Path] = Field(default=None, description="Write a JSON summary here at exit.")
+    _summary_is_a_file = field_validator("summary_json")(_not_a_directory)
 
 
 class PeerConfig(BaseModel):
@@ -116,14 +130,16 @@ class Option:
     name: str
     help: str
     is_bool: bool
+    cli_name: str
+    """Name on the command line and in the environment; the field name unless the field sets `cli_name`."""
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return "--" + self.cli_name.replace("_", "-")
 
     @property
     def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
+        return ENV_PREFIX + self.cli_name.upper()
 
     @property
     def dotted(self) -> str:
@@ -131,10 +147,14 @@ class Option:
 
 
 OPTIONS: Dict[str, Option] = {
-    name: Option(section, name, field.description or "", field.annotation is bool)
+    name: Option(
+        section, name, field.description or "", field.annotation is bool,
+        cli_name=(field.json_schema_extra or {}).get("cli_name", name),
+    )
     for section, model in SECTIONS.items()
     for name, field in model.model_fields.items()
 }
+OPTIONS_BY_ENV: Dict[str, Option] = {option.env: option for option in OPTIONS.values()}
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 
 
@@ -164,9 +184,8 @@ def load_config(
     for key in sorted(environ):
         if not key.startswith(ENV_PREFIX) or key == CONFIG_FILE_ENV:
             continue
-        name = key[len(ENV_PREFIX) :].lower()
-        if name in OPTIONS:
-            assign(name, environ[key], f"env {key}")
+        if key in OPTIONS_BY_ENV:
+            assign(OPTIONS_BY_ENV[key].name, environ[key], f"env {key}")
         else:
             known = [option.env for option in OPTIONS.values()] + [CONFIG_FILE_ENV]
             problems.append(f"{key}: unknown environment variable{_did_you_mean(key, known)}; unset it or fix its name")
