@@ -1,7 +1,40 @@
-"""AveragingConfig: when and how peers average with each other."""
+"""AveragingConfig: when and how peers average with each other.
+
+Every rule that one field, or two fields together, must obey is checked here, at load
+time, as a ValueError, so that the CLI reports it next to every other problem (exit 2).
+This module must not import torch or hivemind: it is loaded before anything heavy.
+"""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import importlib.util
+from typing import List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+STRATEGIES = ("sync", "local-sgd", "powersgd", "diloco")
+CODECS = ("none", "fp16", "scaled-fp16", "uint8", "quantile8", "blockwise8", "adaptive")
+LARGE_CODECS = ("uint8", "quantile8", "blockwise8")
+BITSANDBYTES_INSTALL = "pip install 'swarmtrain[bitsandbytes]'"
+AUTO = "auto"
+
+Seconds = Union[float, Literal["auto"]]
+
+
+def bitsandbytes_available() -> bool:
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def _seconds_or_auto(value, rule: str = "a number of seconds > 0 or 'auto'"):
+    """Parse a float or 'auto' with one readable error (a plain Union would report one error per member)."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be {rule}") from None
+    if not seconds > 0 or seconds != seconds or seconds == float("inf"):
+        raise ValueError(f"must be {rule}")
+    return seconds
 
 
 class AveragingConfig(BaseModel):
@@ -12,17 +45,35 @@ class AveragingConfig(BaseModel):
         ge=1,
         description="Samples the whole swarm accumulates per global epoch (one averaged optimizer step).",
     )
-    matchmaking_seconds: float = Field(
-        default=5.0,
-        gt=0,
-        description="How long to gather a group before averaging. Raise it if rounds often have fewer peers than "
-        "the swarm; lower it on fast local networks to cut the time per epoch.",
+    strategy: Literal["sync", "local-sgd", "powersgd", "diloco"] = Field(
+        default="sync",
+        json_schema_extra={"cli_name": "averaging"},
+        description="How peers combine their work: sync (average gradients, same update everywhere), local-sgd "
+        "(local steps, average parameters every --average-state-every epochs), powersgd (low-rank gradient "
+        "averaging), diloco (--diloco-inner-steps local steps, then an outer Nesterov step on averaged deltas).",
     )
-    averaging_timeout_seconds: float = Field(
+    matchmaking_seconds: Seconds = Field(
+        default=5.0,
+        description="How long to gather a group before averaging, or 'auto' (derived from the swarm's epoch time "
+        "within --matchmaking-seconds-min/max). Raise it if rounds often have fewer peers than the swarm; lower it "
+        "on fast local networks to cut the time per epoch.",
+    )
+    matchmaking_seconds_min: float = Field(
+        default=1.0, gt=0, description="Lower bound for --matchmaking-seconds auto."
+    )
+    matchmaking_seconds_max: float = Field(
+        default=30.0, gt=0, description="Upper bound for --matchmaking-seconds auto."
+    )
+    averaging_timeout_seconds: Seconds = Field(
         default=60.0,
-        gt=0,
-        description="Give up on a round after this long and continue with local gradients. About 2x the normal "
-        "round time; raise it if rounds time out on a slow link.",
+        description="Give up on a round after this long and continue with local gradients, or 'auto' (about 2x the "
+        "recent round times, within --averaging-timeout-seconds-min/max). Raise it if rounds time out on a slow link.",
+    )
+    averaging_timeout_seconds_min: float = Field(
+        default=5.0, gt=0, description="Lower bound for --averaging-timeout-seconds auto."
+    )
+    averaging_timeout_seconds_max: float = Field(
+        default=120.0, gt=0, description="Upper bound for --averaging-timeout-seconds auto; also the first value used."
     )
     load_state_timeout_seconds: float = Field(
         default=120.0, gt=0, description="How long to wait for peers to send their state when catching up."
@@ -35,3 +86,138 @@ class AveragingConfig(BaseModel):
     min_peers_timeout_seconds: float = Field(
         default=300.0, gt=0, description="Give up waiting for --min-peers after this long (exit code 1)."
     )
+    average_state_every: int = Field(
+        default=1,
+        ge=1,
+        description="Average parameters (and --average-opt-statistics) every this many global epochs (sync, "
+        "local-sgd, powersgd). Raise it to save bandwidth with local-sgd; lower it if peers drift apart.",
+    )
+    average_opt_statistics: List[str] = Field(
+        default_factory=list,
+        description="Comma-separated optimizer state names averaged with the parameters, e.g. exp_avg,exp_avg_sq.",
+    )
+    powersgd_rank: int = Field(
+        default=4, ge=1, description="Rank of the PowerSGD gradient factors: lower sends less but approximates more."
+    )
+    diloco_inner_steps: int = Field(
+        default=500,
+        ge=1,
+        description="DiLoCo: at most this many local optimizer steps per peer per outer round (a round ends when "
+        "the swarm reaches --target-batch-size; later batches of the round only count samples).",
+    )
+    outer_lr: float = Field(default=0.7, gt=0, description="DiLoCo outer (Nesterov SGD) learning rate.")
+    outer_momentum: float = Field(
+        default=0.9, ge=0, lt=1, description="DiLoCo outer Nesterov momentum, in [0, 1)."
+    )
+    grad_compression: str = Field(
+        default="none",
+        description="Codec for averaging gradients (DiLoCo: pseudo-gradients): none, fp16, scaled-fp16, uint8, "
+        "quantile8, blockwise8, adaptive.",
+    )
+    state_compression: str = Field(
+        default="none", description="Codec for averaging parameters and optimizer statistics (same choices)."
+    )
+    load_state_compression: str = Field(
+        default="none", description="Codec for sending state to peers that download it (same choices)."
+    )
+    adaptive_compression_threshold: int = Field(
+        default=2**16,
+        ge=1,
+        description="adaptive codec: tensors with fewer elements than this go as fp16, larger ones as "
+        "--adaptive-large-codec.",
+    )
+    adaptive_large_codec: Literal["uint8", "quantile8", "blockwise8"] = Field(
+        default="uint8", description="adaptive codec: the 8-bit codec for large tensors."
+    )
+    offload_optimizer: bool = Field(
+        default=False,
+        description="ZeRO-Offload: keep a master copy of the parameters and the optimizer state in host memory and "
+        "run the optimizer step on the CPU; only parameters and gradients stay on the device.",
+    )
+    delay_updates: bool = Field(
+        default=False,
+        description="Delayed parameter updates: average and run the (offloaded) optimizer step in the background "
+        "during the next forward/backward, applying the result one step later. Needs --offload-optimizer.",
+    )
+
+    @field_validator("matchmaking_seconds", "averaging_timeout_seconds", mode="before")
+    @classmethod
+    def _seconds(cls, value):
+        return _seconds_or_auto(value)
+
+    @field_validator("average_opt_statistics", mode="before")
+    @classmethod
+    def _split_names(cls, value):
+        if isinstance(value, str):
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        if isinstance(value, list):
+            for name in value:
+                if not isinstance(name, str) or not name.isidentifier():
+                    raise ValueError(f"each name must be an optimizer state key such as exp_avg (got {name!r})")
+        return value
+
+    @field_validator("grad_compression", "state_compression", "load_state_compression", mode="before")
+    @classmethod
+    def _codec(cls, value):
+        name = str(value).strip().lower()
+        if name not in CODECS:
+            raise ValueError(f"unknown codec; choose one of {', '.join(CODECS)}")
+        if name == "blockwise8" and not bitsandbytes_available():
+            raise ValueError(f"blockwise8 needs bitsandbytes; run {BITSANDBYTES_INSTALL} or pick another codec")
+        return name
+
+    @field_validator("adaptive_large_codec", mode="after")
+    @classmethod
+    def _large_codec(cls, value):
+        if value == "blockwise8" and not bitsandbytes_available():
+            raise ValueError(f"blockwise8 needs bitsandbytes; run {BITSANDBYTES_INSTALL} or pick uint8/quantile8")
+        return value
+
+    @field_validator("average_opt_statistics")
+    @classmethod
+    def _statistic_names(cls, value: List[str]) -> List[str]:
+        for name in value:
+            if not name.isidentifier():
+                raise ValueError(f"{name!r} is not an optimizer state name; use names such as exp_avg,exp_avg_sq")
+        return value
+
+    @model_validator(mode="after")
+    def _no_conflicts(self) -> "AveragingConfig":
+        for name, low, high in (
+            ("matchmaking-seconds", self.matchmaking_seconds_min, self.matchmaking_seconds_max),
+            ("averaging-timeout-seconds", self.averaging_timeout_seconds_min, self.averaging_timeout_seconds_max),
+        ):
+            if low > high:
+                raise ValueError(
+                    f"--{name}-min ({low}) is larger than --{name}-max ({high}); lower the first or raise the second"
+                )
+        if self.delay_updates and not self.offload_optimizer:
+            raise ValueError(
+                "--delay-updates needs --offload-optimizer (the delayed step runs on the offloaded host copy); "
+                "add --offload-optimizer or drop --delay-updates"
+            )
+        if self.delay_updates and self.strategy in ("local-sgd", "diloco"):
+            raise ValueError(
+                f"--delay-updates does not work with --averaging {self.strategy} (it delays gradient averaging, "
+                f"which {self.strategy} does not do); drop --delay-updates or use --averaging sync/powersgd"
+            )
+        if self.offload_optimizer and self.strategy in ("local-sgd", "diloco"):
+            why = {
+                "local-sgd": "hivemind 1.1.12 never feeds local gradients to an offloaded optimizer with local updates",
+                "diloco": "its outer state already lives in host memory and the inner optimizer steps every batch",
+            }[self.strategy]
+            raise ValueError(
+                f"--offload-optimizer does not work with --averaging {self.strategy} ({why}); "
+                f"drop --offload-optimizer or use --averaging sync/powersgd"
+            )
+        if self.average_opt_statistics and self.strategy == "diloco":
+            raise ValueError(
+                "--average-opt-statistics does not apply to --averaging diloco (it averages pseudo-gradients, not "
+                "state); drop --average-opt-statistics or use --averaging local-sgd"
+            )
+        return self
+
+    def seconds(self, name: str) -> Optional[float]:
+        """A deadline as a float, or None when it is 'auto'."""
+        value = getattr(self, name)
+        return None if value == AUTO else float(value)

@@ -6,9 +6,15 @@ What it adds to hivemind's optimizer:
   `averaging` phase; downloading state is timed as `state_sync`;
 - `load_state_from_peers` gives up after a bounded number of attempts instead of
   retrying forever;
-- an explicit `client_mode` is honoured (upstream replaces it with the DHT's value).
+- an explicit `client_mode` is honoured (upstream replaces it with the DHT's value);
+- with `--matchmaking-seconds auto` / `--averaging-timeout-seconds auto`, the deadlines are
+  chosen again after every epoch (averaging/deadlines.py) and applied where hivemind reads them;
+- with local-sgd, the parameter-averaging rounds are reported too (they are its only rounds).
 
-It must not know about metrics or the CLI: the caller connects the hooks.
+`build_swarm_optimizer` turns an AveragingConfig into the optimizer of the chosen strategy
+(sync, local-sgd and powersgd are hivemind.Optimizer configurations; diloco is ours, in
+averaging/diloco.py, with the same interface). It must not know about metrics or the CLI:
+the caller connects the hooks.
 """
 from __future__ import annotations
 
@@ -16,13 +22,19 @@ import logging
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from typing import Callable, ContextManager, Optional
 
 import hivemind
 import torch
+from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
+from hivemind.optim.state_averager import TrainingStateAverager
 
+from averaging.compression import codecs_from_config
 from averaging.config import AveragingConfig
+from averaging.deadlines import AdaptiveDeadlines, Deadlines
+from averaging.guards import all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +65,20 @@ class AveragingHooks:
 class SwarmOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer with round reports, phase timing and bounded state download."""
 
-    def __init__(self, *, hooks: Optional[AveragingHooks] = None, load_state_attempts: int = 3, **kwargs):
+    def __init__(
+        self,
+        *,
+        hooks: Optional[AveragingHooks] = None,
+        load_state_attempts: int = 3,
+        deadlines: Optional[AdaptiveDeadlines] = None,
+        report_state_rounds: bool = False,
+        **kwargs,
+    ):
         self.hooks = hooks or AveragingHooks()
         self.load_state_attempts = load_state_attempts
+        self.deadlines = deadlines
+        self.report_state_rounds = report_state_rounds
+        self._resync_requested = False
         self._training_thread = threading.current_thread()
         requested_client_mode = kwargs.get("client_mode")
         super().__init__(**kwargs)
@@ -64,12 +87,73 @@ class SwarmOptimizer(hivemind.Optimizer):
                 f"client_mode={requested_client_mode} conflicts with the DHT's client_mode={self.client_mode}; "
                 f"start the DHT with the same client mode"
             )
+        if self.deadlines is not None and self.deadlines.auto:
+            self._apply_deadlines(self.deadlines.current)
+
+    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+        averager_class = GuardedStateAverager
+        if self.report_state_rounds:
+            averager_class = partial(ReportingStateAverager, hooks=self.hooks)
+        return averager_class(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
+
+    # --- adaptive deadlines ----------------------------------------------------------------
+
+    def _apply_deadlines(self, deadlines: Deadlines) -> None:
+        """Put the deadlines where hivemind reads them on every round.
+
+        Optimizer.matchmaking_time decides when a round is pre-scheduled; averaging_timeout bounds
+        each round (and the state-averaging rounds); each averager's matchmaking_kwargs sets the
+        default start time of a round it schedules. The averager processes' own floor
+        (min_matchmaking_time) and all-reduce timeout were fixed at start to the lower and upper bounds.
+        """
+        self.matchmaking_time = deadlines.matchmaking_seconds
+        self.averaging_timeout = deadlines.averaging_timeout_seconds
+        for averager in (self.state_averager, self.grad_averager):
+            if averager is not None:
+                averager.matchmaking_kwargs["min_matchmaking_time"] = deadlines.matchmaking_seconds
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        super()._update_global_epoch(grad_scaler)
+        if self.deadlines is None or not self.deadlines.auto:
+            return
+        progress = self.tracker.global_progress
+        self.deadlines.observe_swarm(
+            self.tracker.performance_ema.samples_per_second * max(1, progress.num_peers), self.target_batch_size
+        )
+        before, after = self.deadlines.current, self.deadlines.update()
+        if after != before:
+            logger.info(
+                f"adaptive deadlines: matchmaking {after.matchmaking_seconds:.1f}s, "
+                f"averaging timeout {after.averaging_timeout_seconds:.1f}s"
+            )
+        self._apply_deadlines(after)
 
     def _phase(self, name: str) -> ContextManager:
         # delayed averaging runs in hivemind's background threads: time only what blocks training
         if threading.current_thread() is self._training_thread:
             return self.hooks.phase(name)
         return nullcontext()
+
+    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler) -> bool:
+        """Upstream, but a batch with non-finite gradients is dropped: it never reaches the swarm."""
+        if not all_finite(param.grad for param in self.state_averager.main_parameters):
+            logger.warning("non-finite gradients in this batch: dropped, not accumulated or sent to peers")
+            return False
+        return super()._check_and_accumulate_gradients(batch_size, grad_scaler)
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
         began = super()._begin_averaging_gradients(grad_scaler)
@@ -86,8 +170,14 @@ class SwarmOptimizer(hivemind.Optimizer):
             else:
                 try:
                     group_info = maybe_step_control.result(self.averaging_timeout)
-                    self._load_averaged_gradients_into_optimizer_()
-                    report = RoundReport("ok", time.monotonic() - started, len(group_info))
+                    with self.grad_averager.get_tensors() as averaged:
+                        finite = all_finite(averaged)
+                    if finite:
+                        self._load_averaged_gradients_into_optimizer_()
+                        report = RoundReport("ok", time.monotonic() - started, len(group_info))
+                    else:  # a peer sent NaN/Inf: never apply it
+                        report = RoundReport("failed", time.monotonic() - started, len(group_info),
+                                             "the averaged gradients hold NaN or Inf")
                 except TimeoutError as e:
                     report = RoundReport("timeout", time.monotonic() - started, 1, repr(e))
                 except BaseException as e:  # hivemind raises many kinds; any of them means "use local grads"
@@ -95,8 +185,18 @@ class SwarmOptimizer(hivemind.Optimizer):
             if report.outcome != "ok":
                 if report.outcome != "skipped":
                     logger.warning(f"averaging round {report.outcome} ({report.reason}); using local gradients")
+                    # if others got past this epoch without us, take their state instead of drifting apart
+                    self._resync_requested = self.tracker.global_epoch > self.local_epoch
                 self._load_local_gradients_into_optimizer()
+        if self.deadlines is not None:
+            self.deadlines.observe_round(report.outcome, report.seconds)
         self.hooks.round_finished(report)
+
+    def _should_load_state_from_peers(self) -> bool:
+        if self._resync_requested:
+            self._resync_requested = False
+            return True
+        return super()._should_load_state_from_peers()
 
     def load_state_from_peers(self, **kwargs) -> None:
         with self._phase("state_sync"):
@@ -137,6 +237,74 @@ class SwarmOptimizer(hivemind.Optimizer):
         self.state_averager.step(wait_for_delayed_updates=True)
 
 
+class GuardedStateAverager(TrainingStateAverager):
+    """TrainingStateAverager that discards a parameter-averaging result holding NaN or Inf."""
+
+    def _apply_averaging_results_(self):
+        with self.get_tensors() as averaged:
+            finite = all_finite(averaged)
+        if not finite:
+            logger.warning("a parameter-averaging round returned NaN or Inf; keeping this peer's own parameters")
+            self._load_local_tensors_into_averager_()  # so the next round starts from sane values
+            return
+        super()._apply_averaging_results_()
+
+    def load_state_from_peers(self, **kwargs):
+        """Upstream, but state holding NaN or Inf is rolled back instead of kept."""
+        params = [param for group in self.optimizer.param_groups for param in group["params"]]
+        with torch.no_grad():
+            before = [param.detach().clone() for param in params]
+        epoch_before = self.local_epoch
+        result = super().load_state_from_peers(**kwargs)
+        if not all_finite(params):
+            logger.warning("the state downloaded from a peer holds NaN or Inf; discarded")
+            with torch.no_grad():
+                for param, saved in zip(params, before):
+                    param.copy_(saved)
+            self.local_epoch = epoch_before
+            raise RuntimeError("downloaded state was not finite")
+        return result
+
+
+class ReportingStateAverager(GuardedStateAverager):
+    """TrainingStateAverager that reports each parameter-averaging round (local-sgd's only rounds).
+
+    Upstream creates the round inside `_do` and swallows its outcome; here the round is created
+    first, so that its outcome can be read after upstream's `_do` has run it. Runs in hivemind's
+    background thread, so it reports but never times a phase.
+    """
+
+    def __init__(self, *, hooks: AveragingHooks, **kwargs):
+        self._hooks = hooks
+        super().__init__(**kwargs)
+
+    def _do(self, wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, grad_scaler,
+            set_to_none, timeout=None, **kwargs):
+        if not averaging_round:
+            return super()._do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control,
+                               grad_scaler, set_to_none, timeout=timeout, **kwargs)
+        started = time.monotonic()
+        if averaging_control is None or averaging_control.triggered or averaging_control.done():
+            try:
+                averaging_control = hivemind.DecentralizedAverager.step(
+                    self, gather=self.local_epoch, require_trigger=True, timeout=timeout, wait=False, **kwargs
+                )
+            except BaseException as e:  # let upstream retry and handle it the way it always does
+                self._hooks.round_finished(RoundReport("failed", time.monotonic() - started, 1, repr(e)))
+                return super()._do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, None,
+                                   grad_scaler, set_to_none, timeout=timeout, **kwargs)
+        super()._do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, grad_scaler,
+                    set_to_none, timeout=timeout)
+        try:
+            gathered = averaging_control.result(timeout=0)
+            report = RoundReport("ok", time.monotonic() - started, len(gathered))
+        except TimeoutError as e:
+            report = RoundReport("timeout", time.monotonic() - started, 1, repr(e))
+        except BaseException as e:
+            report = RoundReport("failed", time.monotonic() - started, 1, repr(e))
+        self._hooks.round_finished(report)
+
+
 def build_swarm_optimizer(
     config: AveragingConfig,
     *,
@@ -148,10 +316,51 @@ def build_swarm_optimizer(
     batch_size: int,
     client_mode: bool,
     hooks: Optional[AveragingHooks] = None,
-) -> SwarmOptimizer:
-    """The default `sync` strategy: accumulate to the target batch, average gradients, same update everywhere."""
+):
+    """The optimizer of config.strategy; every one offers the interface the training loop uses."""
+    deadlines = AdaptiveDeadlines(
+        matchmaking_seconds=config.seconds("matchmaking_seconds"),
+        averaging_timeout_seconds=config.seconds("averaging_timeout_seconds"),
+        matchmaking_bounds=(config.matchmaking_seconds_min, config.matchmaking_seconds_max),
+        timeout_bounds=(config.averaging_timeout_seconds_min, config.averaging_timeout_seconds_max),
+    )
+    # what the averager processes fix at start: the matchmaking floor and the all-reduce timeout
+    matchmaking_floor = config.seconds("matchmaking_seconds") or config.matchmaking_seconds_min
+    allreduce_timeout = config.seconds("averaging_timeout_seconds") or config.averaging_timeout_seconds_max
+    longest_matchmaking = config.seconds("matchmaking_seconds") or config.matchmaking_seconds_max
+    common = dict(
+        dht=dht,
+        run_id=run_id,
+        params=params,
+        optimizer_factory=optimizer_factory,
+        scheduler_factory=scheduler_factory,
+        batch_size=batch_size,
+        client_mode=client_mode,
+        hooks=hooks,
+    )
+    # a peer that died stops counting toward the swarm's progress after this long (upstream: 60 s)
+    tracker_opts = dict(metadata_expiration=max(15.0, 3 * longest_matchmaking))
+    # hivemind warns (and can deadlock) when a request may outlive the matchmaking window
+    averager_opts = dict(request_timeout=min(3.0, matchmaking_floor / 2))
+    if config.strategy == "diloco":
+        from averaging.diloco import DiLoCoOptimizer  # imported here: it imports this module
+
+        return DiLoCoOptimizer(
+            config, deadlines=deadlines, tracker_opts=tracker_opts, averager_opts=averager_opts,
+            matchmaking_floor=matchmaking_floor, allreduce_timeout=allreduce_timeout, **common,
+        )
+
+    strategy_args = {}
+    if config.strategy == "local-sgd":
+        strategy_args = dict(use_local_updates=True, average_opt_statistics=tuple(config.average_opt_statistics))
+    elif config.strategy == "powersgd":
+        strategy_args = dict(grad_averager_factory=partial(PowerSGDGradientAverager, averager_rank=config.powersgd_rank))
+    if config.average_opt_statistics and config.strategy != "local-sgd":
+        strategy_args["average_opt_statistics"] = tuple(config.average_opt_statistics)
     return SwarmOptimizer(
         hooks=hooks,
+        deadlines=deadlines,
+        report_state_rounds=config.strategy == "local-sgd",
         dht=dht,
         run_id=run_id,
         params=params,
@@ -159,20 +368,17 @@ def build_swarm_optimizer(
         scheduler=scheduler_factory,
         target_batch_size=config.target_batch_size,
         batch_size_per_step=batch_size,
-        matchmaking_time=config.matchmaking_seconds,
-        averaging_timeout=config.averaging_timeout_seconds,
+        matchmaking_time=matchmaking_floor,
+        averaging_timeout=allreduce_timeout,
         load_state_timeout=config.load_state_timeout_seconds,
-        offload_optimizer=False,
+        average_state_every=config.average_state_every,
+        offload_optimizer=config.offload_optimizer,
+        delay_optimizer_step=config.delay_updates,
+        delay_grad_averaging=config.delay_updates,
         client_mode=client_mode,
-        # a peer that died stops counting toward the swarm's progress after this long (upstream: 60 s)
-        tracker_opts=dict(metadata_expiration=max(15.0, 3 * config.matchmaking_seconds)),
-        # hivemind warns (and can deadlock) when a request may outlive the matchmaking window
-        averager_opts=dict(request_timeout=min(3.0, config.matchmaking_seconds / 2)),
+        tracker_opts=tracker_opts,
+        averager_opts=averager_opts,
         verbose=False,
+        **codecs_from_config(config),
+        **strategy_args,
     )
-
-
-def parameters_fingerprint(model: torch.nn.Module) -> float:
-    """A cheap scalar summary of the weights, for logs and summaries (not a substitute for comparing tensors)."""
-    with torch.no_grad():
-        return float(sum(p.double().sum() for p in model.parameters()))

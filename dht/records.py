@@ -21,7 +21,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
-from pydantic.v1 import BaseModel, StrictBool, StrictStr, confloat, conint, conlist, constr
+from pydantic.v1 import BaseModel, StrictBool, confloat, conint, conlist, constr
 
 logger = logging.getLogger(__name__)
 

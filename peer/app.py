@@ -59,10 +59,10 @@ class MetricsObserver(TrainingObserver):
         if val_loss is not None:
             self.metrics.set_validation_loss(val_loss)
 
-    def on_round(self, report: RoundReport, group_payload_bytes: int) -> None:
+    def on_round(self, report: RoundReport, payload_bytes: int) -> None:
         # butterfly all-reduce: each peer sends (N-1)/N of the payload out and gets as much back, twice
         n = max(1, report.group_size)
-        moved = int(2 * (n - 1) / n * group_payload_bytes) if report.outcome == "ok" else 0
+        moved = int(2 * (n - 1) / n * payload_bytes) if report.outcome == "ok" else 0
         self.metrics.record_round(report.outcome, report.seconds, report.group_size, moved, moved)
 
     def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:
@@ -95,7 +95,9 @@ def run_peer(config: PeerConfig) -> int:
         health = HealthCheck(config.monitoring.health_window_seconds)
         timer.add_listener(metrics.observe_phase)
         timer.add_listener(classifier.observe)
-        metrics.set_info(__version__, describe_device(device), "sync", "none")
+        averaging = config.averaging
+        compression = averaging.state_compression if averaging.strategy == "local-sgd" else averaging.grad_compression
+        metrics.set_info(__version__, describe_device(device), averaging.strategy, compression)
         if config.monitoring.metrics_port != "off":
             resources.exporter = MetricsExporter(
                 registry, config.monitoring.metrics_port, config.monitoring.metrics_host, health=health
@@ -176,12 +178,15 @@ def print_join_instructions(config: PeerConfig, dht) -> None:
     logger.info(f"peer id {dht.peer_id}; listening on {', '.join(maddrs)}")
     if config.dht.client_mode or not maddrs:
         return
-    print(
-        "To join this swarm from another machine, run:\n"
-        f"  peer start --run-id {config.training.run_id} --task {config.training.task} "
-        f"--target-batch-size {config.averaging.target_batch_size} --initial-peers {maddrs[0]}",
-        flush=True,
+    command = (
+        f"peer start --run-id {config.training.run_id} --task {config.training.task} "
+        f"--target-batch-size {config.averaging.target_batch_size}"
     )
+    if config.averaging.strategy != "sync":  # settings every peer of the run must share
+        command += f" --averaging {config.averaging.strategy}"
+    if config.dht.swarm_key is not None:
+        command += " --swarm-key <a copy of this swarm's key file>"
+    print(f"To join this swarm from another machine, run:\n  {command} --initial-peers {maddrs[0]}", flush=True)
 
 
 class _Resources:

@@ -4,9 +4,6 @@ It stores and validates the run's swarm records (the same validators as every pe
 its multiaddrs, optionally writes them to a file for others to read with
 --initial-peers-file, and serves until SIGINT/SIGTERM, then leaves cleanly (exit 0).
 It trains nothing, publishes no PeerInfo (it is not a peer of the run) and needs no torch.
-
-Also home of config_options_for(), which gives a command the generated flags of only some
-config fields; `peer status` uses it too.
 """
 from __future__ import annotations
 
@@ -16,11 +13,12 @@ import signal
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, List, Optional
 
 import click
 
-from peer.config import CONFIG_FILE_ENV, OPTIONS, PeerConfig
+from peer.config import OPTIONS, PeerConfig
+from peer.options import config_options_for, resolve_config
 
 logger = logging.getLogger("peer.bootstrap")
 
@@ -28,34 +26,6 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ON_SECOND_SIGNAL = 0, 1, 2, 130
 DHT_FIELDS = [name for name, option in OPTIONS.items() if option.section == "dht"]
 BOOTSTRAP_FIELDS = [*DHT_FIELDS, "run_id", "log_format", "verbose"]
 LIVENESS_POLL_SECONDS = 1.0
-
-
-def config_options_for(names: Iterable[str]) -> Callable[[Callable], Callable]:
-    """Like peer.cli.config_options, but only the flags of the given config fields (plus --config).
-
-    Other fields keep their defaults, config-file values and PEER_* variables; the resolved
-    config is still a full PeerConfig, validated in one pass by resolve_config.
-    """
-    selected = [OPTIONS[name] for name in names]
-
-    def decorate(command: Callable) -> Callable:
-        for option in reversed(selected):
-            help_text = f"{option.help} [env: {option.env}; config: {option.dotted}]"
-            if option.is_bool:
-                decls = [f"{option.flag}/--no-{option.flag[2:]}"]
-                command = click.option(*decls, option.name, default=None, help=help_text)(command)
-            else:
-                command = click.option(option.flag, option.name, default=None, metavar="VALUE", help=help_text)(command)
-        return click.option(
-            "--config",
-            "config_file",
-            default=None,
-            envvar=CONFIG_FILE_ENV,
-            type=click.Path(path_type=Path, dir_okay=False),
-            help=f"TOML or YAML file with [training], [dht], ... sections. [env: {CONFIG_FILE_ENV}]",
-        )(command)
-
-    return decorate
 
 
 @click.command()
@@ -69,7 +39,6 @@ def config_options_for(names: Iterable[str]) -> Callable[[Callable], Callable]:
 @click.pass_context
 def bootstrap(ctx: click.Context, write_maddrs: Optional[Path], **params: Any) -> None:
     """Run a DHT-only bootstrap node for a swarm: it trains nothing; peers join through it."""
-    from peer.cli import resolve_config  # not at import time: peer.cli imports this module at its end
 
     config = resolve_config(ctx, params)
     if config.dht.client_mode:

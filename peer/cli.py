@@ -1,57 +1,18 @@
-"""The `peer` command line: parse, resolve the config once, hand over.
+"""The `peer` command line: parse, resolve the config once (peer/options.py), hand over.
 
-Flags are generated from the config models, so every config key has exactly one flag
-and one PEER_* environment variable. Flag values are passed through as given and
-validated together with the file and environment values, so that every problem is
-reported in one pass: one line each, exit code 2, no traceback.
+Errors from click itself (an unknown flag, a missing value) become one line and exit code 2.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, List, Optional
 
 import click
 from click.core import ParameterSource
 
-from peer.config import CONFIG_FILE_ENV, OPTIONS, ConfigError, PeerConfig, load_config
-
-EXIT_BAD_INPUT = 2
-
-
-def config_options(command: Callable) -> Callable:
-    """Decorate a click command with --config and one flag per config field."""
-    for option in reversed(list(OPTIONS.values())):
-        help_text = f"{option.help} [env: {option.env}; config: {option.dotted}]"
-        if option.is_bool:
-            decls = [f"{option.flag}/--no-{option.flag[2:]}"]
-            command = click.option(*decls, option.name, default=None, help=help_text)(command)
-        else:
-            command = click.option(option.flag, option.name, default=None, metavar="VALUE", help=help_text)(command)
-    return click.option(
-        "--config",
-        "config_file",
-        default=None,
-        envvar=CONFIG_FILE_ENV,
-        type=click.Path(path_type=Path, dir_okay=False),
-        help=f"TOML or YAML file with [training], [averaging], [dht], ... sections. [env: {CONFIG_FILE_ENV}]",
-    )(command)
-
-
-def resolve_config(ctx: click.Context, params: Dict[str, Any]) -> PeerConfig:
-    """Build the PeerConfig from click's parameters; exit 2 with one line per problem."""
-    flags = {
-        name: value
-        for name, value in params.items()
-        if name in OPTIONS and ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
-    }
-    try:
-        return load_config(params.get("config_file"), dict(os.environ), flags)
-    except ConfigError as e:
-        for problem in e.problems:
-            click.echo(f"error: {problem}", err=True)
-        ctx.exit(EXIT_BAD_INPUT)
+from peer.config import OPTIONS
+from peer.options import EXIT_BAD_INPUT, config_options_for, resolve_config
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -61,7 +22,7 @@ def cli() -> None:
 
 
 @cli.command()
-@config_options
+@config_options_for()
 @click.pass_context
 def start(ctx: click.Context, **params: Any) -> None:
     """Start a peer: join (or start) a swarm and train until stopped."""
@@ -76,7 +37,7 @@ def start(ctx: click.Context, **params: Any) -> None:
               help="How many peers to start on this machine.")
 @click.option("--summary-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Write each peer's summary to DIR/peer-<i>.json.")
-@config_options
+@config_options_for()
 @click.pass_context
 def swarm(ctx: click.Context, num_peers: int, summary_dir: Optional[Path], **params: Any) -> None:
     """Start N peers on this machine: the first bootstraps, the rest join it."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from peer.bootstrap import config_options_for
+from peer.options import config_options_for, resolve_config
 
 logger = logging.getLogger("peer.monitor")
 
@@ -30,7 +30,6 @@ MONITOR_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "target_batch
 @click.pass_context
 def monitor(ctx: click.Context, refresh_seconds: float, timeout_seconds: float, **params: Any) -> None:
     """Export swarm-level metrics for every peer (joins as a client; changes nothing)."""
-    from peer.cli import resolve_config
 
     config = resolve_config(ctx, params)
     if not config.dht.initial_peers:

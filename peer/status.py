@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import click
 
-from peer.bootstrap import config_options_for
+from peer.options import config_options_for, resolve_config
 from peer.config import PeerConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -40,7 +40,6 @@ class SwarmUnreachable(Exception):
 @click.pass_context
 def status(ctx: click.Context, as_json: bool, watch: Optional[float], timeout_seconds: float, **params: Any) -> None:
     """Show the swarm's peers and progress (joins as a client; changes nothing)."""
-    from peer.cli import resolve_config  # not at import time: peer.cli imports this module at its end
 
     config = resolve_config(ctx, params)
     if not config.dht.initial_peers:

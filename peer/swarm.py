@@ -9,13 +9,11 @@ the parent-death signal) if this process dies. Exits non-zero if any peer failed
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import List, Optional
 

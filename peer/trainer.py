@@ -18,6 +18,7 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
+from averaging.compression import round_payload_bytes
 from averaging.optimizer import AveragingHooks, RoundReport, build_swarm_optimizer
 from dht.swarm_key import training_namespace
 from monitoring import PhaseTimer
@@ -39,7 +40,7 @@ class TrainingObserver:
 
     def on_epoch(self, epoch: int, val_loss: Optional[float]) -> None: ...
 
-    def on_round(self, report: RoundReport, group_payload_bytes: int) -> None: ...
+    def on_round(self, report: RoundReport, payload_bytes: int) -> None: ...
 
     def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None: ...
 
@@ -82,6 +83,7 @@ class Trainer:
         self.display = display or ProgressDisplay(config.averaging.target_batch_size, interactive=False)
         self.on_progress = on_progress  # heartbeat for /healthz
         self.batch_size = config.training.batch_size or task.batch_size
+        self._last_round_outcome: Optional[str] = None
         self.summary = PeerSummary(run_id=config.training.run_id, task=task.name, peer_id=str(dht.peer_id))
         self.store = CheckpointStore(config.checkpoint.checkpoint_dir, keep=config.checkpoint.keep_checkpoints)
 
@@ -102,7 +104,10 @@ class Trainer:
             ),
         )
         self._restore_optimizer()
-        self._payload_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._payload_bytes = round_payload_bytes(  # after compression: what one round moves, per peer
+            config.averaging, list(self.model.parameters()),
+            opt_statistics=len(config.averaging.average_opt_statistics),
+        )
 
         workers = config.training.data_workers
         self.train_loader = make_loader(
@@ -164,6 +169,7 @@ class Trainer:
     # --- hooks from the optimizer ----------------------------------------------------------
 
     def _on_round(self, report: RoundReport) -> None:
+        self._last_round_outcome = report.outcome
         self.summary.averaging_rounds[report.outcome] = self.summary.averaging_rounds.get(report.outcome, 0) + 1
         if report.outcome == "ok":
             self.summary.largest_group = max(self.summary.largest_group, report.group_size)
@@ -205,22 +211,33 @@ class Trainer:
                 return seen
             self.stop.wait(1.0)
 
-    def wait_for_stragglers(self, timeout_seconds: float) -> None:
-        """Before leaving at the last epoch, stay reachable while a peer is still behind us.
+    def leave_in_step(self) -> None:
+        """At the last epoch: make sure this peer ends with the swarm's weights, and help stragglers do so.
 
-        A straggler whose last round found no group catches up by downloading state; if all
-        peers left the moment they reached --max-epochs, it would have no one to download from
-        and would end with different weights.
+        A peer whose last round failed while others exist downloads their state before leaving.
+        Then it stays reachable for one matchmaking window and while a peer is behind it. A
+        straggler that catches up by failing its round comes back for the state one averaging
+        timeout later, so after seeing one, this peer waits that long again before it leaves.
         """
-        tracker = self.optimizer.tracker
-        deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline and not self.stop:
-            found = self.dht.get(tracker.training_progress_key, latest=True)
-            entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
-            epochs = [entry.value["epoch"] for entry in entries if isinstance(getattr(entry, "value", None), dict)]
-            if not any(epoch < self.optimizer.local_epoch for epoch in epochs):
+        matchmaking, timeout = self.optimizer.matchmaking_time, self.optimizer.averaging_timeout
+        now = time.monotonic()
+        stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
+        if self._last_round_outcome in ("failed", "timeout") and self.optimizer.tracker.global_progress.num_peers > 1:
+            logger.info("the last averaging round failed: downloading the swarm's final state before leaving")
+            self.optimizer.load_state_from_peers()
+        while not self.stop and time.monotonic() < deadline:
+            if self._peers_behind():
+                stay_until = time.monotonic() + timeout + matchmaking
+            elif time.monotonic() >= stay_until:
                 return
             self.stop.wait(0.5)
+
+    def _peers_behind(self) -> bool:
+        tracker = self.optimizer.tracker
+        found = self.dht.get(tracker.training_progress_key, latest=True)
+        entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
+        epochs = [entry.value["epoch"] for entry in entries if isinstance(getattr(entry, "value", None), dict)]
+        return any(epoch < self.optimizer.local_epoch for epoch in epochs)
 
     def validate(self) -> float:
         return evaluate(self.model, self.val_loader, self.task.loss_fn, self.device, self.config.training.val_batches)
@@ -239,7 +256,7 @@ class Trainer:
 
         while True:
             if training.max_epochs is not None and self.optimizer.local_epoch >= training.max_epochs:
-                self.wait_for_stragglers(self.config.averaging.averaging_timeout_seconds)
+                self.leave_in_step()
                 return "max_epochs"
             if training.max_seconds is not None and time.monotonic() - started >= training.max_seconds:
                 return "max_seconds"

@@ -79,3 +79,40 @@ def make_stalling_task() -> Task:
     """Trains for a few steps, then the data source hangs (after STALL_AFTER_ITEMS items, default 64)."""
     stall_after = int(os.environ.get("STALL_AFTER_ITEMS", "64"))
     return _task("stalling", lambda: _mlp(16, 1), SyntheticDataset(4096, stall_after_items=stall_after), batch_size=8)
+
+
+class _NaNGradient(torch.autograd.Function):
+    """Identity forward, NaN backward: a finite loss whose gradients are poisoned."""
+
+    @staticmethod
+    def forward(ctx, loss):
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def make_nan_gradients_task() -> Task:
+    """bytelm-tiny whose gradients are NaN on every other step (POISON=own), or on every step by a peer
+    that also skips its own guard and sends them to the swarm (POISON=send), like a malicious peer."""
+    import dataclasses
+
+    from peer.tasks import load_task
+
+    mode = os.environ.get("POISON", "own")
+    base = load_task("bytelm-tiny")
+    calls = {"n": 0}
+
+    def poisoned_loss(model, batch):
+        calls["n"] += 1
+        loss = base.loss_fn(model, batch)
+        return _NaNGradient.apply(loss) if mode == "send" or calls["n"] % 2 == 0 else loss
+
+    if mode == "send":
+        import hivemind
+
+        from averaging.optimizer import SwarmOptimizer
+
+        SwarmOptimizer._check_and_accumulate_gradients = hivemind.Optimizer._check_and_accumulate_gradients
+    return dataclasses.replace(base, loss_fn=poisoned_loss)

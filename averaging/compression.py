@@ -1,0 +1,149 @@
+"""Codec names from the config mapped onto hivemind's compression classes, and payload sizes.
+
+`make_codec` is the only place that knows which hivemind class a name stands for.
+`payload_bytes` measures what a list of tensors costs on the wire under a codec (the
+serialized buffers, as hivemind sends them), so that byte counters and the README's
+arithmetic use one number. `round_payload_bytes` says which tensors one averaging round
+of each strategy sends. This module must not start anything or touch the network.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Sequence
+
+import numpy as np
+import torch
+from hivemind.compression import (
+    BlockwiseQuantization,
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    Quantile8BitQuantization,
+    ScaledFloat16Compression,
+    SizeAdaptiveCompression,
+    Uniform8BitQuantization,
+)
+from hivemind.compression.quantization import Quantization
+from hivemind.proto import runtime_pb2
+from hivemind.utils.math import get_flatten_greedy_dims
+
+from averaging.config import BITSANDBYTES_INSTALL, CODECS, AveragingConfig, bitsandbytes_available
+
+_FIXED = {
+    "none": NoCompression,
+    "fp16": Float16Compression,
+    "scaled-fp16": ScaledFloat16Compression,
+    "uint8": Uniform8BitQuantization,
+    "quantile8": Quantile8BitQuantization,
+    "blockwise8": BlockwiseQuantization,
+}
+
+
+def _read_int64(buffer: bytes, offset: int = 0) -> int:
+    return int(np.frombuffer(buffer, count=1, offset=offset, dtype=np.int64)[0])
+
+
+def _quantization_extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+    """hivemind 1.1.12's Quantization.extract, reading the codebook size in a way numpy 2 accepts.
+
+    Upstream calls int() on a 1-element array, which numpy >= 2 rejects with a TypeError, so every
+    uint8/quantile8 all-reduce fails on the receiving side.
+    """
+    buffer = serialized_tensor.buffer
+    codebook_size = _read_int64(buffer)
+    codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+    quantized = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+    quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
+    codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+    return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+
+def _blockwise_extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+    """hivemind 1.1.12's BlockwiseQuantization.extract with the same numpy 2 fix."""
+    from bitsandbytes.functional import dequantize_blockwise
+    from hivemind.compression.quantization import _BLOCKWISE_QUANTIZATION_BLOCKSIZE
+
+    buffer = serialized_tensor.buffer
+    absmax_size, codebook_size = _read_int64(buffer), _read_int64(buffer, 8)
+    absmax = np.frombuffer(buffer, offset=16, count=absmax_size, dtype=self.codebook_dtype)
+    codebook = np.frombuffer(buffer, offset=16 + absmax.nbytes, count=codebook_size, dtype=self.codebook_dtype)
+    quantized = np.frombuffer(buffer, offset=16 + absmax.nbytes + codebook.nbytes, dtype=self.indices_dtype)
+    result = dequantize_blockwise(
+        torch.as_tensor(quantized).reshape(tuple(serialized_tensor.size)), absmax=torch.as_tensor(absmax),
+        code=torch.as_tensor(codebook), blocksize=_BLOCKWISE_QUANTIZATION_BLOCKSIZE, nested=False,
+    )
+    return result.to(getattr(torch, serialized_tensor.dtype)).requires_grad_(serialized_tensor.requires_grad)
+
+
+# Patched on the classes, not on our instances: the receiving side deserializes with hivemind's own
+# registry of codec instances. Averager processes are forked after this import, so they inherit it.
+Quantization.extract = _quantization_extract
+BlockwiseQuantization.extract = _blockwise_extract
+
+
+def make_codec(name: str, adaptive_threshold: int = 2**16, adaptive_large_codec: str = "uint8") -> CompressionBase:
+    """The hivemind codec for a config name. Raises ValueError naming the choices for an unknown name."""
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
+    if "blockwise8" in (name, adaptive_large_codec if name == "adaptive" else None) and not bitsandbytes_available():
+        # hivemind would only fail at the first all-reduce, in the averager process: fail here instead
+        raise ValueError(f"blockwise8 needs bitsandbytes; run {BITSANDBYTES_INSTALL}")
+    if name == "adaptive":
+        if adaptive_large_codec not in ("uint8", "quantile8", "blockwise8"):
+            raise ValueError(f"adaptive large codec must be uint8, quantile8 or blockwise8 (got {adaptive_large_codec!r})")
+        return SizeAdaptiveCompression(
+            threshold=adaptive_threshold, less=Float16Compression(), greater_equal=_FIXED[adaptive_large_codec]()
+        )
+    return _FIXED[name]()
+
+
+def codecs_from_config(config: AveragingConfig) -> dict:
+    """Keyword arguments for hivemind.Optimizer: grad, state-averaging and state-download codecs."""
+    args = (config.adaptive_compression_threshold, config.adaptive_large_codec)
+    return dict(
+        grad_compression=make_codec(config.grad_compression, *args),
+        state_averaging_compression=make_codec(config.state_compression, *args),
+        load_state_compression=make_codec(config.load_state_compression, *args),
+    )
+
+
+def payload_bytes(tensors: Iterable[torch.Tensor], codec: CompressionBase) -> int:
+    """Bytes of the serialized buffers of `tensors` under `codec` (headers of a few bytes each not counted)."""
+    total = 0
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor = tensor.detach().to("cpu", torch.float32)
+            total += len(codec.compress(tensor, CompressionInfo.from_tensor(tensor), allow_inplace=False).buffer)
+    return total
+
+
+def powersgd_factors(params: Sequence[torch.Tensor], rank: int, min_compression_ratio: float = 0.5) -> List[torch.Tensor]:
+    """The tensors one PowerSGD round sends: P (m x r) and Q (n x r) per compressed matrix, the rest as is.
+
+    Mirrors hivemind's PowerSGDGradientAverager rule for which tensors it compresses.
+    """
+    sent: List[torch.Tensor] = []
+    for param in params:
+        if param.ndim > 1:
+            m, n = get_flatten_greedy_dims(param)
+            if 1 - rank * (m + n) / param.numel() >= min_compression_ratio:
+                sent += [torch.zeros(m, rank), torch.zeros(n, rank)]
+                continue
+        sent.append(torch.zeros(param.shape))
+    return sent
+
+
+def round_payload_bytes(config: AveragingConfig, params: Sequence[torch.Tensor], opt_statistics: int = 0) -> int:
+    """Bytes one peer contributes to one averaging round of the configured strategy (before the 2(N-1)/N factor).
+
+    :param opt_statistics: how many parameter-shaped optimizer tensors local-sgd averages along
+    """
+    params = [p.detach() for p in params]
+    args = (config.adaptive_compression_threshold, config.adaptive_large_codec)
+    if config.strategy == "local-sgd":
+        codec = make_codec(config.state_compression, *args)
+        return payload_bytes(params, codec) * (1 + opt_statistics)
+    codec = make_codec(config.grad_compression, *args)
+    if config.strategy == "powersgd":
+        return payload_bytes(powersgd_factors(params, config.powersgd_rank), codec)
+    return payload_bytes(params, codec)  # sync gradients, or DiLoCo pseudo-gradients: one tensor per parameter

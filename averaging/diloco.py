@@ -1,0 +1,341 @@
+"""DiLoCo on hivemind: local inner steps, then an outer Nesterov step on the averaged pseudo-gradient.
+
+One outer round is one global epoch. Between rounds every peer runs the task's own optimizer
+(the inner optimizer, AdamW for the built-in task) on its own replica. A round begins when the
+swarm has accumulated --target-batch-size samples, counted by hivemind's ProgressTracker exactly
+as for the other strategies, so epochs, LR schedules, --max-epochs and catching up mean the same
+thing everywhere. Then each peer:
+1. computes its pseudo-gradient  delta = round-start params - current params  (in host memory);
+2. averages it with its group (a hivemind DecentralizedAverager, weighted by the samples each peer
+   stepped on; --grad-compression applies); alone, or if the round fails, it uses its own delta;
+3. applies the outer optimizer to the round-start params: SGD with Nesterov momentum,
+   v = mu*v + delta; params -= lr*(delta + mu*v)  (torch.optim.SGD(nesterov=True) semantics);
+4. copies the result into the model, which is the next round's start.
+
+H (--diloco-inner-steps) is a per-peer upper bound, not the round length: the round length
+comes from the target batch (each peer takes about target / (peers x batch) inner steps). A
+peer that reaches H inner steps before the swarm reaches the target keeps counting its samples
+toward the target (so the swarm can never stall on it) but no longer updates its replica.
+
+State lives in a hivemind TrainingStateAverager that owns the inner optimizer and the LR
+scheduler and carries the round-start params and the outer momentum as extra tensors, so
+load_state_from_peers brings params + outer momentum + inner optimizer state + epoch. A peer
+whose round failed while others exist downloads the swarm's state before its next step, so
+one lost round does not leave it apart for good.
+
+This module must not know about metrics or the CLI; it reports through AveragingHooks.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import nullcontext
+from typing import Callable, ContextManager, List, Optional, Sequence, Tuple
+
+import hivemind
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
+
+from averaging.compression import make_codec
+from averaging.config import AveragingConfig
+from averaging.deadlines import AdaptiveDeadlines, Deadlines
+from averaging.guards import all_finite
+from averaging.optimizer import AveragingHooks, RoundReport
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def outer_nesterov_step_(
+    params: Sequence[torch.Tensor], momenta: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+    lr: float, momentum: float,
+) -> None:
+    """In place, what torch.optim.SGD(lr, momentum, nesterov=True, dampening=0) does with these grads."""
+    for param, velocity, grad in zip(params, momenta, grads):
+        velocity.mul_(momentum).add_(grad)
+        param.sub_(grad.add(velocity, alpha=momentum), alpha=lr)
+
+
+class DiLoCoOptimizer:
+    """The training loop's optimizer interface (step, zero_grad, local_epoch, tracker, ...) for DiLoCo."""
+
+    def __init__(
+        self,
+        config: AveragingConfig,
+        *,
+        dht: hivemind.DHT,
+        run_id: str,
+        params,
+        optimizer_factory: Callable,
+        scheduler_factory: Optional[Callable],
+        batch_size: int,
+        client_mode: Optional[bool],
+        hooks: Optional[AveragingHooks] = None,
+        deadlines: Optional[AdaptiveDeadlines] = None,
+        tracker_opts: Optional[dict] = None,
+        averager_opts: Optional[dict] = None,
+        matchmaking_floor: float = 5.0,
+        allreduce_timeout: float = 60.0,
+        load_state_attempts: int = 3,
+    ):
+        self.config, self.dht, self.run_id = config, dht, run_id
+        self.hooks = hooks or AveragingHooks()
+        self.client_mode = dht.client_mode if client_mode is None else client_mode
+        self.batch_size, self.target_batch_size = batch_size, config.target_batch_size
+        self.load_state_timeout, self.load_state_attempts = config.load_state_timeout_seconds, load_state_attempts
+        self.deadlines = deadlines or AdaptiveDeadlines(
+            matchmaking_seconds=matchmaking_floor, averaging_timeout_seconds=allreduce_timeout
+        )
+        self._training_thread = threading.current_thread()
+        self.main_parameters: List[torch.Tensor] = [p for p in params]
+        codec_args = (config.adaptive_compression_threshold, config.adaptive_large_codec)
+        averager_opts = dict(averager_opts or {})
+
+        # the outer state lives in host memory, in fp32, whatever the model's device and dtype
+        self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.main_parameters]
+        self.outer_momentum = [torch.zeros_like(p) for p in self.global_params]
+
+        self.tracker = ProgressTracker(
+            dht=dht, prefix=run_id, target_batch_size=config.target_batch_size, client_mode=self.client_mode,
+            start=True, **(tracker_opts or {}),
+        )
+        self.state_averager = TrainingStateAverager(
+            dht=dht,
+            prefix=f"{run_id}_diloco_state",
+            optimizer=optimizer_factory,
+            params=self.main_parameters,
+            scheduler=scheduler_factory,
+            extra_tensors=self.global_params + self.outer_momentum,
+            min_matchmaking_time=matchmaking_floor,
+            allreduce_timeout=allreduce_timeout,
+            client_mode=self.client_mode,
+            compression=make_codec(config.state_compression, *codec_args),
+            state_compression=make_codec(config.load_state_compression, *codec_args),
+            start=True,
+            **averager_opts,
+        )
+        # hivemind initializes the inner optimizer's state with one zero-gradient step, which can move
+        # the parameters (weight decay): the round starts from where the model is after that
+        self._reset_round_start()
+        self.grad_averager = DecentralizedAverager(
+            averaged_tensors=[torch.zeros_like(p) for p in self.global_params],
+            dht=dht,
+            prefix=f"{run_id}_diloco_outer",
+            min_matchmaking_time=matchmaking_floor,
+            allreduce_timeout=allreduce_timeout,
+            compression=make_codec(config.grad_compression, *codec_args),
+            client_mode=self.client_mode,
+            allow_state_sharing=False,  # it holds no state: everything a newcomer needs is in state_averager
+            start=True,
+            **averager_opts,
+        )
+        self._apply_deadlines(self.deadlines.current)
+        self._inner_steps = self._samples = self._samples_stepped = 0
+        self._check_sync_on_next_step = True
+        self._resync_requested = False
+
+    # --- the interface the training loop uses ------------------------------------------------
+
+    @property
+    def local_epoch(self) -> int:
+        return self.state_averager.local_epoch
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        return self.state_averager.optimizer
+
+    def step(self, batch_size: Optional[int] = None) -> None:
+        """One local batch: maybe an inner step; when the swarm reached the target batch, an outer round."""
+        batch_size = batch_size if batch_size is not None else self.batch_size
+        if self._should_load_state_from_peers():
+            self.load_state_from_peers()
+            return  # these gradients were computed on parameters that were just replaced
+        if self._inner_steps < self.config.diloco_inner_steps:
+            self.inner_optimizer.step()
+            self._inner_steps += 1
+            self._samples_stepped += batch_size
+        elif self._inner_steps == self.config.diloco_inner_steps:
+            self._inner_steps += 1  # log once per round
+            logger.info(f"reached --diloco-inner-steps {self.config.diloco_inner_steps} before the swarm reached "
+                        f"--target-batch-size; counting samples only until the round starts")
+        self._samples += batch_size
+        self.tracker.report_local_progress(self.local_epoch, self._samples)
+        if self.tracker.ready_to_update_epoch:
+            self._outer_round()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.main_parameters:
+            if set_to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+
+    def load_state_from_peers(self, **kwargs) -> None:
+        """Download round-start params, outer momentum, inner optimizer state and epoch; bounded attempts."""
+        with self._phase("state_sync"), self.tracker.pause_updates():
+            for attempt in range(1, self.load_state_attempts + 1):
+                try:
+                    self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                    break
+                except KeyboardInterrupt:
+                    raise
+                except BaseException as e:
+                    logger.warning(f"downloading state from peers failed ({e!r}), attempt {attempt}")
+            # the sender's model was somewhere inside its round; the swarm agrees on the round start
+            self._load_round_start_into_model()
+            if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
+                self.state_averager.local_epoch = self.tracker.global_epoch
+                self._update_scheduler()
+            self._start_next_round()
+        self.hooks.state_loaded(self.local_epoch)
+
+    def state_dict(self) -> dict:
+        state = self.inner_optimizer.state_dict()
+        state["state"]["local_epoch"] = self.local_epoch
+        state["diloco"] = {
+            "global_params": [t.clone() for t in self.global_params],
+            "outer_momentum": [t.clone() for t in self.outer_momentum],
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        outer = state_dict.pop("diloco", None)
+        inner_state = dict(state_dict["state"])
+        if "local_epoch" in inner_state:
+            self.state_averager.local_epoch = inner_state.pop("local_epoch")
+        self.inner_optimizer.load_state_dict(dict(state_dict, state=inner_state))
+        with torch.no_grad(), self.state_averager.lock_averaged_tensors:
+            if outer is None:  # a checkpoint from another strategy: start a fresh outer state from the model
+                self._reset_round_start(lock=False)
+                for velocity in self.outer_momentum:
+                    velocity.zero_()
+            else:
+                for mine, saved in zip(self.global_params + self.outer_momentum,
+                                       outer["global_params"] + outer["outer_momentum"]):
+                    mine.copy_(saved)
+        self.tracker.report_local_progress(self.local_epoch, 0)
+
+    def wait_for_background_updates(self) -> None:
+        """Nothing runs in the background between rounds: parameters are always final."""
+
+    def shutdown(self, timeout_seconds: float = 5.0) -> None:
+        self.tracker.shutdown(timeout_seconds)
+        for averager in (self.state_averager, self.grad_averager):
+            if averager.is_alive():
+                averager.shutdown()
+
+    # --- one outer round -----------------------------------------------------------------------
+
+    def _outer_round(self) -> None:
+        with self.tracker.pause_updates():
+            with torch.no_grad():
+                pseudo_grads = [g - p.detach().to("cpu", torch.float32)
+                                for g, p in zip(self.global_params, self.main_parameters)]
+            with self._phase("averaging"):
+                report, averaged = self._average(pseudo_grads)
+            with torch.no_grad(), self.state_averager.lock_averaged_tensors:
+                outer_nesterov_step_(
+                    self.global_params, self.outer_momentum, averaged, self.config.outer_lr, self.config.outer_momentum
+                )
+            self._load_round_start_into_model()
+            self.state_averager.local_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
+            self._update_scheduler()
+            self._start_next_round()
+            if report.outcome in ("failed", "timeout") and self.tracker.global_progress.num_peers > 1:
+                self._resync_requested = True  # others may have averaged without us: take their state
+        self.deadlines.observe_round(report.outcome, report.seconds)
+        self._update_deadlines()
+        self.hooks.round_finished(report)
+
+    def _average(self, pseudo_grads: List[torch.Tensor]) -> Tuple[RoundReport, List[torch.Tensor]]:
+        """Average pseudo-gradients with a group; on any failure, this peer's own."""
+        if self.tracker.global_progress.num_peers <= 1:
+            return RoundReport("skipped", 0.0, 1, "no other peers"), pseudo_grads
+        started = time.monotonic()
+        with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
+            for buffer, grad in zip(buffers, pseudo_grads):
+                buffer.copy_(grad)
+        control = None
+        try:
+            # weighted like the sync strategy's gradients: by the samples this peer took inner steps on
+            control = self.grad_averager.step(
+                weight=float(max(1, self._samples_stepped)), timeout=self.averaging_timeout, wait=False
+            )
+            gathered = control.result(timeout=self.averaging_timeout)
+            with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
+                averaged = [buffer.clone() for buffer in buffers]
+            if not all_finite(averaged):  # a peer sent NaN/Inf: never apply it
+                logger.warning("the averaged pseudo-gradients hold NaN or Inf; using this peer's own")
+                return RoundReport("failed", time.monotonic() - started, len(gathered), "non-finite result"), pseudo_grads
+            return RoundReport("ok", time.monotonic() - started, len(gathered)), averaged
+        except BaseException as e:  # hivemind raises many kinds; all of them mean "use the local delta"
+            if control is not None and not control.done():
+                control.cancel()
+            outcome = "timeout" if isinstance(e, TimeoutError) else "failed"
+            logger.warning(f"outer averaging round {outcome} ({e!r}); using this peer's pseudo-gradient")
+            return RoundReport(outcome, time.monotonic() - started, 1, repr(e)), pseudo_grads
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _should_load_state_from_peers(self) -> bool:
+        """Upstream hivemind.Optimizer's rule, plus a resync after a failed round."""
+        if self._resync_requested:
+            self._resync_requested = False
+            return True
+        if self._check_sync_on_next_step and self.tracker.fetched_global_progress_this_epoch.is_set():
+            self._check_sync_on_next_step = False
+            return self.local_epoch != self.tracker.global_epoch
+        return self.local_epoch < self.tracker.global_epoch - 1
+
+    def _start_next_round(self) -> None:
+        """Reset the round's counters and tell the swarm (caller holds tracker.pause_updates())."""
+        self._inner_steps = self._samples = self._samples_stepped = 0
+        self.tracker.update_epoch(new_epoch=self.local_epoch)
+        self._check_sync_on_next_step = True
+        if not self.client_mode:
+            self.state_averager.state_sharing_priority = self.local_epoch
+
+    @torch.no_grad()
+    def _load_round_start_into_model(self) -> None:
+        for param, start in zip(self.main_parameters, self.global_params):
+            param.copy_(start.to(device=param.device, dtype=param.dtype))
+
+    @torch.no_grad()
+    def _reset_round_start(self, lock: bool = True) -> None:
+        with self.state_averager.lock_averaged_tensors if lock else nullcontext():
+            for start, param in zip(self.global_params, self.main_parameters):
+                start.copy_(param.detach())
+
+    def _update_scheduler(self) -> None:
+        """Step the LR scheduler until it matches the epoch (as hivemind's state averager does)."""
+        scheduler = self.state_averager.scheduler
+        if scheduler is not None:
+            while scheduler._step_count <= self.local_epoch:
+                scheduler.step()
+
+    def _apply_deadlines(self, deadlines: Deadlines) -> None:
+        self.matchmaking_time = deadlines.matchmaking_seconds
+        self.averaging_timeout = deadlines.averaging_timeout_seconds
+        self.grad_averager.matchmaking_kwargs["min_matchmaking_time"] = deadlines.matchmaking_seconds
+
+    def _update_deadlines(self) -> None:
+        if not self.deadlines.auto:
+            return
+        progress = self.tracker.global_progress
+        self.deadlines.observe_swarm(
+            self.tracker.performance_ema.samples_per_second * max(1, progress.num_peers), self.target_batch_size
+        )
+        before, after = self.deadlines.current, self.deadlines.update()
+        if after != before:
+            logger.info(f"adaptive deadlines: matchmaking {after.matchmaking_seconds:.1f}s, "
+                        f"averaging timeout {after.averaging_timeout_seconds:.1f}s")
+        self._apply_deadlines(after)
+
+    def _phase(self, name: str) -> ContextManager:
+        if threading.current_thread() is self._training_thread:
+            return self.hooks.phase(name)
+        return nullcontext()

@@ -1,0 +1,143 @@
+"""Print the Markdown tables of BENCHMARKS.md from the JSON files in benchmarks/results/.
+
+`python -m benchmarks.report` reads whatever results exist and prints one section per
+benchmark, with the hardware and date each was measured on and the command that reproduces
+it. It measures nothing; paste its output into BENCHMARKS.md after a run.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks import common
+
+ORDER = ("local_overhead", "allreduce_link", "compression", "offload", "scaling")
+
+
+def _f(value, digits: int = 3, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def header(doc: dict) -> str:
+    hw = doc["hardware"]
+    return (f"Measured {doc['started_at']} ({doc['mode']} mode, {doc['wall_seconds']:.0f} s) on {hw['cpu_model']}, "
+            f"{hw['cpu_cores_usable']} cores, {hw['ram_gib']} GiB RAM, torch {hw['torch']}, hivemind {hw['hivemind']}, "
+            f"CUDA: {hw['cuda_device'] or 'none'}; 1-minute load average {hw['load_average_1m_at_start']} at start, "
+            f"{hw.get('load_average_1m_at_end')} at end. Reproduce: `{doc['command']}`")
+
+
+def local_overhead(doc: dict) -> str:
+    r = doc["results"]
+    lines = ["| device | plain | daemon | daemon, monitoring off | hivemind | daemon/plain | hivemind/plain | "
+             "monitoring on/off | goals met |", "|---|---|---|---|---|---|---|---|---|"]
+    for device, row in r["devices"].items():
+        if row.get("skipped"):
+            lines.append(f"| {device} | skipped: {row['reason']} ||||||||")
+            continue
+        sps, ratio = row["samples_per_second"], row["ratios"]
+        goals = row["goals"]
+        lines.append(
+            f"| {device} | {_f(sps['plain']['median'], 1)} | {_f(sps['daemon']['median'], 1)} | "
+            f"{_f(sps['daemon_monitoring_off']['median'], 1)} | {_f(sps['hivemind']['median'], 1)} | "
+            f"{_f(ratio['daemon_over_plain']['median'])} ({_f(ratio['daemon_over_plain']['min'], 2)}–"
+            f"{_f(ratio['daemon_over_plain']['max'], 2)}) | {_f(ratio['hivemind_over_plain']['median'])} | "
+            f"{_f(ratio['monitoring_on_over_off']['median'])} ({_f(ratio['monitoring_on_over_off']['min'], 2)}–"
+            f"{_f(ratio['monitoring_on_over_off']['max'], 2)}) | daemon ≥ 0.97: {'yes' if goals['daemon_meets'] else 'no'}; "
+            f"monitoring ≤ 2%: {'yes' if goals['monitoring_meets'] else 'no'} |")
+    return (f"samples/s are medians over {r['rounds']} interleaved rounds ({r['task']}, batch {r['batch_size']}, "
+            f"{r['data_workers']} data workers, {r['torch_threads']} torch threads); ratios are medians of per-round "
+            f"ratios (min–max in brackets).\n\n" + "\n".join(lines))
+
+
+def allreduce_link(doc: dict) -> str:
+    r = doc["results"]
+    lines = ["| peers | MiB | link | raw TCP Mbit/s | bound s | config | matchmaking s | all-reduce s | "
+             "all-reduce / bound | round s | ok / failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        lines.append(
+            f"| {row['peers']} | {row['size_mib']:g} | {row['link']} | {_f(row['tcp_mbit'], 0)} | "
+            f"{_f(row['bound_seconds'], 2)} | {row['config']} | {_f(row['matchmaking_seconds']['median'], 2)} | "
+            f"{_f(row['allreduce_seconds']['median'], 2)} | {_f(row['allreduce_over_bound'], 2)} | "
+            f"{_f(row['round_seconds']['median'], 2)} | {row['rounds_ok']} / {row['rounds_failed']} |")
+    ratio_lines = ["| peers | MiB | link | ours/bare all-reduce | ours/bare round |", "|---|---|---|---|---|"]
+    for row in r["ratios"]:
+        ratio_lines.append(f"| {row['peers']} | {row['size_mib']:g} | {row['link']} | "
+                           f"{_f(row['ours_over_bare_allreduce']['median'])} | {_f(row['ours_over_bare_round']['median'])} |")
+    ours = r["ours"]["averager"] or {}
+    return (f"Network: {r['network']} ({r['network_note']}). Matchmaking window {r['settings']['matchmaking_seconds']} s "
+            f"for both; ours = `{ours.get('class')}` with compression {ours.get('compression')}, request_timeout "
+            f"{ours.get('request_timeout')} s, all-reduce timeout {ours.get('allreduce_timeout')} s, next_chunk_timeout "
+            f"{ours.get('next_chunk_timeout')} s. Medians over {r['settings']['rounds']} rounds after "
+            f"{r['settings']['warmup_rounds']} warm-up.\n\n" + "\n".join(lines) + "\n\n" + "\n".join(ratio_lines))
+
+
+def compression(doc: dict) -> str:
+    r = doc["results"]
+    lines = ["| codec | payload vs fp32 | rel. L2 error | max abs error | loopback all-reduce s | vs none |",
+             "|---|---|---|---|---|---|"]
+    for name, row in r["codecs"].items():
+        ar = row.get("allreduce_seconds", {}).get("median")
+        lines.append(f"| {name} | {row['payload_ratio']:.3f} | {row['rel_l2_error']:.2e} | {row['max_abs_error']:.2e} | "
+                     f"{_f(ar, 3)} | {_f(row.get('allreduce_over_none', {}).get('median'))} |")
+    for name, reason in r["skipped"].items():
+        lines.append(f"| {name} | skipped: {reason} |||||")
+    return (f"Real gradients of `{r['task']}` ({r['parameters']:,} parameters, {r['fp32_bytes']:,} fp32 bytes), "
+            f"worst of {r['gradient_samples']} backward passes; 2-peer rounds on 127.0.0.1, medians of "
+            f"{r['rounds']} interleaved rounds.\n\n" + "\n".join(lines))
+
+
+def offload(doc: dict) -> str:
+    r = doc["results"]
+    if r.get("skipped"):
+        return f"Skipped: {r['reason']}."
+    lines = ["| config | flags | peak device MiB | step s |", "|---|---|---|---|"]
+    for name, row in r["configs"].items():
+        peak = row["peak_device_memory_bytes"]["median"]
+        lines.append(f"| {name} | {' '.join(row['flags']) or '-'} | {_f(peak / 2**20 if peak else None, 0)} | "
+                     f"{_f(row['step_seconds']['median'], 3)} |")
+    return "\n".join(lines) + "\n\nRatios: " + ", ".join(f"{k} {_f(v)}" for k, v in r["ratios"].items())
+
+
+def scaling(doc: dict) -> str:
+    r = doc["results"]
+    lines = ["| peers | CPU sets | oversubscribed | reached | time to target s | startup s | epoch | speedup vs 1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in r["scaling"]:
+        lines.append(f"| {row['peers']} | {row['cpu_sets']} | {row['oversubscribed']} | {row['reached']} | "
+                     f"{row.get('time_to_target_seconds', 'n/a')} | {row.get('startup_seconds', 'n/a')} | "
+                     f"{row.get('epoch')} | {_f(r['speedup_vs_1'].get(str(row['peers'])))} |")
+    text = (f"`{r['task']}` to val_loss ≤ {r['target_val_loss']}, target batch {r['target_batch_size']}, "
+            f"{len(r['cores'])} cores, {r['cores_per_peer']} per peer, pinning: {r['pinning']}.\n\n" + "\n".join(lines))
+    hiding = r["hiding"]
+    if hiding.get("skipped"):
+        return text + f"\n\nCommunication hiding: skipped ({hiding['reason']})."
+    rates = hiding["local_samples_per_second"]
+    hide = ["| run | peers | flags | local samples/s per peer | averaging rounds |", "|---|---|---|---|---|"]
+    for row in hiding["runs"]:
+        hide.append(f"| {row['name']} | {row['peers']} | {' '.join(row['flags'])} | {row['local_samples_per_second']} | "
+                    f"{row['averaging_rounds']} |")
+    return (text + f"\n\nCommunication hiding (target batch {r['hiding_target_batch_size']}, {r['hiding_seconds']:.0f} s "
+            f"runs): alone {_f(rates['alone'], 1)}, delay_updates {_f(rates['delay_updates'], 1)}, blocking "
+            f"{_f(rates['blocking'], 1)} samples/s; hiding ratio {_f(hiding['hiding_ratio'])}, blocking ratio "
+            f"{_f(hiding['blocking_ratio'])}.\n\n" + "\n".join(hide))
+
+
+def main() -> int:
+    for name in ORDER:
+        path = common.RESULTS_DIR / f"{name}.json"
+        if not path.exists():
+            print(f"## {name}\n\nNo results yet: run `python -m benchmarks.{name} --quick`.\n")
+            continue
+        doc = json.loads(path.read_text())
+        print(f"## {name}\n\n{header(doc)}\n\n{globals()[name](doc)}\n\nSummary line: `{doc['summary']}`\n")
+        if doc["notes"]:
+            print("Notes: " + " ".join(f"{n.rstrip('.')}." for n in doc["notes"]) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,344 @@
+"""Time to a fixed validation loss with 1, 2 and 4 peers, and how well delayed updates hide communication.
+
+**Scaling.** For each peer count N (1, 2, 4), N real `peer start` processes on 127.0.0.1 train
+the default task (`bytelm-tiny` in quick mode) with the same global target batch, started
+together (``--min-peers N``). Each peer's epoch lines are read as they are printed; the run
+stops (SIGTERM, a graceful stop) at the first line whose ``val_loss`` is at or below the
+target. Reported: ``time_to_target_seconds`` (from the moment the last peer's DHT was up, i.e.
+its join line, to that epoch line), ``startup_seconds`` (launch to that moment), the epoch and
+samples it took, and ``speedup_vs_1`` (time with 1 peer / time with N).
+
+Each peer gets an equal share of the machine: ``share = max(1, cores // max(N))`` cores, its
+own disjoint set (``taskset``, and torch threads = share) while N * share <= cores; beyond that
+the sets are reused round-robin and the row says ``oversubscribed: true``. On 2 cores this means
+1 core per peer: 1 and 2 peers have a core each, 4 peers share the 2 cores (two per core), so
+the 4-peer row measures sharing, not scaling. Counts run in the order 1, 2, 4, then reversed
+in the next repeat.
+
+**Communication hiding.** Three 2-peer-or-fewer runs of fixed length, interleaved with the
+same care, each peer on its own core share; the local step rate is samples / time on the
+training thread (phase totals from ``--summary-json``; validation excluded):
+
+- ``alone``: 1 peer, ``--offload-optimizer --delay-updates``: it steps but never averages;
+- ``delay_updates``: 2 peers, same flags: averaging runs in the background during the next steps;
+- ``blocking``: 2 peers, ``--offload-optimizer`` only: the step waits for each round.
+
+``hiding_ratio`` = rate(delay_updates) / rate(alone): 1.0 means averaging is fully hidden. The
+hiding target batch is large enough that one epoch of local compute (about 1.5-3 s per peer
+on bytelm-tiny) outlasts a round (1 s matchmaking + all-reduce): with epochs shorter than a
+round, the next update must wait for the previous round and nothing can be hidden.
+
+Usage (from the repository root)::
+
+    python -m benchmarks.scaling --quick     # bytelm-tiny, val loss 3.6, target batch 256
+    python -m benchmarks.scaling             # bytelm, val loss 3.0, target batch 1024 (long)
+    python -m benchmarks.scaling --smoke     # bytelm-tiny, 1 and 2 peers, loose target, no hiding runs; for tests
+
+JSON ``results``: ``task``, ``target_val_loss``, ``target_batch_size``, ``cores``, ``cores_per_peer``,
+``pinning`` (``taskset`` or a reason it is off), ``repeats``; ``scaling``: one row per (peers, repeat)
+with ``reached``, ``time_to_target_seconds``, ``startup_seconds``, ``epoch``, ``samples``,
+``val_loss``, ``cpu_sets``, ``oversubscribed``, ``exit_codes``; ``speedup_vs_1``: peers -> median speedup;
+``hiding``: ``{skipped, reason}`` or ``runs.<alone|delay_updates|blocking>`` (``peers``, ``flags``,
+``local_samples_per_second`` per peer, ``averaging_rounds``), ``hiding_ratio``, ``blocking_ratio``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+if __package__ in (None, ""):
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks import common
+
+NAME = "scaling"
+EPOCH_LINE = re.compile(r"epoch (\d+): loss \S+\s+val_loss (\S+)")
+JOIN_LINE = re.compile(r"--initial-peers (\S+)")
+STOP_GRACE_SECONDS = 45.0
+HIDING_RUNS = {
+    "alone": (1, ["--offload-optimizer", "--delay-updates"]),
+    "delay_updates": (2, ["--offload-optimizer", "--delay-updates"]),
+    "blocking": (2, ["--offload-optimizer"]),
+}
+
+
+def stop_all(peers: List["Peer"]) -> List[Optional[int]]:
+    """Ask every peer to stop at once (so none waits for another), then reap each."""
+    for peer in peers:
+        peer.terminate()
+    return [peer.stop() for peer in peers]
+
+
+class Peer:
+    """One `peer start` subprocess whose output lines are read, with their arrival time, as they come."""
+
+    def __init__(self, index: int, args: List[str], cpus: Optional[List[int]], threads: int, log_dir: Path):
+        self.index = index
+        self.log_path = log_dir / f"peer-{index}.log"
+        self._log = open(self.log_path, "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(common.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        prefix = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
+        self.process = subprocess.Popen([*prefix, sys.executable, "-m", "peer", "start", *args],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        text=True, bufsize=1, cwd=log_dir, env=env, start_new_session=True)
+        self.launched = time.monotonic()
+        self.joined_at: Optional[float] = None
+        self.join_address: Optional[str] = None
+        self.epochs: List[tuple] = []  # (arrival time, epoch, val_loss)
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            now = time.monotonic()
+            self._log.write(line)
+            with self.changed:
+                if self.join_address is None and (match := JOIN_LINE.search(line)):
+                    self.join_address, self.joined_at = match.group(1), now
+                elif match := EPOCH_LINE.search(line):
+                    value = match.group(2)
+                    self.epochs.append((now, int(match.group(1)), float(value) if value != "n/a" else None))
+                self.changed.notify_all()
+        self._log.flush()
+
+    def tail(self, chars: int = 1500) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def stop(self) -> Optional[int]:
+        """SIGTERM (graceful), bounded wait, then SIGKILL the whole session; returns the exit code."""
+        self.terminate()
+        try:
+            code = self.process.wait(STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            code = None
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        return code
+
+
+def cpu_plan(peers: int, cores: List[int], share: int, pinning: bool) -> (List[Optional[List[int]]], bool):
+    """CPU set of each peer: disjoint sets of `share` cores while they last, then round-robin."""
+    sets = [cores[i * share:(i + 1) * share] for i in range(max(1, len(cores) // share))]
+    oversubscribed = peers > len(sets)
+    if not pinning:
+        return [None] * peers, oversubscribed
+    return [sets[i % len(sets)] for i in range(peers)], oversubscribed
+
+
+def launch(peers: int, extra: List[str], base: List[str], plan, threads: int, work: Path, label: str,
+           start_timeout: float) -> List[Peer]:
+    """Start N peers (peer 0 first, the others joining it); raise if one cannot start."""
+    started: List[Peer] = []
+    run_dir = work / label
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def one(index: int, initial: List[str]) -> Peer:
+        args = [*base, *extra, "--min-peers", str(peers), "--checkpoint-dir", str(run_dir / f"ckpt-{index}"),
+                "--summary-json", str(run_dir / f"summary-{index}.json"), *initial]
+        return Peer(index, args, plan[index], threads, run_dir)
+
+    started.append(one(0, []))
+    deadline = time.monotonic() + start_timeout
+    with started[0].changed:
+        while started[0].join_address is None and started[0].process.poll() is None and time.monotonic() < deadline:
+            started[0].changed.wait(0.5)
+    if started[0].join_address is None:
+        raise RuntimeError(f"{label}: peer 0 printed no join line; log tail:\n{started[0].tail()}")
+    started += [one(i, ["--initial-peers", started[0].join_address]) for i in range(1, peers)]
+    for peer in started[1:]:
+        with peer.changed:
+            while peer.joined_at is None and peer.process.poll() is None and time.monotonic() < deadline:
+                peer.changed.wait(0.5)
+        if peer.joined_at is None:
+            raise RuntimeError(f"{label}: peer {peer.index} did not start; log tail:\n{peer.tail()}")
+    return started
+
+
+def scaling_run(run: common.Run, peers: int, repeat: int, settings: dict, base: List[str], work: Path) -> dict:
+    plan, oversubscribed = cpu_plan(peers, settings["cores"], settings["cores_per_peer"], settings["pinning"] == "taskset")
+    label = f"scaling-n{peers}-r{repeat}"
+    started: List[Peer] = []
+    row = {"peers": peers, "repeat": repeat, "cpu_sets": plan, "oversubscribed": oversubscribed, "reached": False}
+    try:
+        started = launch(peers, ["--target-batch-size", str(settings["target_batch_size"])], base, plan,
+                         settings["cores_per_peer"], work, label, settings["start_timeout_seconds"])
+        ready = max(p.joined_at for p in started)
+        row["startup_seconds"] = round(ready - started[0].launched, 2)
+        deadline = ready + settings["max_seconds"]
+        hit = None
+        while hit is None and time.monotonic() < deadline:
+            for peer in started:
+                with peer.changed:
+                    for arrived, epoch, val_loss in peer.epochs:
+                        if val_loss is not None and val_loss <= settings["target_val_loss"]:
+                            hit = (arrived, epoch, val_loss)
+                            break
+                if hit:
+                    break
+            if any(p.process.poll() is not None for p in started):
+                break
+            time.sleep(0.2)
+        if hit:
+            row.update(reached=True, time_to_target_seconds=round(hit[0] - ready, 2), epoch=hit[1],
+                       samples=hit[1] * settings["target_batch_size"], val_loss=hit[2])
+        else:
+            last = max((e for p in started for e in p.epochs), default=None, key=lambda e: e[1])
+            row.update(epoch=last[1] if last else 0, val_loss=last[2] if last else None)
+            row["why_not"] = ("a peer exited early" if any(p.process.poll() is not None for p in started)
+                              else f"not reached within {settings['max_seconds']:.0f}s")
+    except RuntimeError as e:
+        row["why_not"] = str(e).splitlines()[0]
+        run.log(str(e))
+    finally:
+        row["exit_codes"] = stop_all(started)
+    run.log(f"scaling N={peers} repeat {repeat}: " + (
+        f"val_loss {row['val_loss']} at epoch {row['epoch']} after {row['time_to_target_seconds']}s "
+        f"(startup {row['startup_seconds']}s)" if row["reached"] else f"target not reached ({row.get('why_not')})"))
+    return row
+
+
+def hiding_run(run: common.Run, name: str, settings: dict, base: List[str], work: Path, repeat: int) -> dict:
+    import json
+
+    peers, flags = HIDING_RUNS[name]
+    plan, oversubscribed = cpu_plan(peers, settings["cores"], settings["cores_per_peer"], settings["pinning"] == "taskset")
+    label = f"hiding-{name}-r{repeat}"
+    started: List[Peer] = []
+    row = {"name": name, "peers": peers, "flags": flags, "repeat": repeat, "cpu_sets": plan,
+           "oversubscribed": oversubscribed}
+    try:
+        started = launch(peers, [*flags, "--target-batch-size", str(settings["hiding_target_batch_size"])], base,
+                         plan, settings["cores_per_peer"], work, label, settings["start_timeout_seconds"])
+        time.sleep(settings["hiding_seconds"])
+    except RuntimeError as e:
+        row["error"] = str(e).splitlines()[0]
+    finally:
+        row["exit_codes"] = stop_all(started)
+    rates, rounds = [], []
+    for peer in started:
+        path = work / label / f"summary-{peer.index}.json"
+        if not path.exists():
+            continue
+        summary = json.loads(path.read_text())
+        busy = sum(v for k, v in summary["phase_seconds"].items() if k not in ("checkpoint", "state_sync"))
+        if busy > 0:
+            rates.append(summary["samples"] / busy)
+        rounds.append(summary["averaging_rounds"])
+    row.update(local_samples_per_second=[round(r, 2) for r in rates], averaging_rounds=rounds)
+    run.log(f"hiding {name} repeat {repeat}: {row['local_samples_per_second']} samples/s per peer, rounds {rounds}")
+    return row
+
+
+def main(argv=None) -> int:
+    p = common.parser(NAME, __doc__)
+    p.add_argument("--task", default=None)
+    p.add_argument("--peers", default=None, help="comma-separated peer counts (default 1,2,4; smoke 1,2)")
+    p.add_argument("--target-val-loss", type=float, default=None)
+    p.add_argument("--target-batch-size", type=int, default=None)
+    p.add_argument("--max-seconds", type=float, default=None, help="give up on a scaling run after this long")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--hiding-seconds", type=float, default=None, help="length of each communication-hiding run")
+    p.add_argument("--skip-hiding", action="store_true")
+    args = p.parse_args(argv)
+    mode = args.mode
+    peer_counts = [int(x) for x in (args.peers or common.by_mode(mode, smoke="1,2", quick="1,2,4", full="1,2,4")).split(",")]
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // max(peer_counts))
+    settings = {
+        "task": args.task or common.by_mode(mode, smoke="bytelm-tiny", quick="bytelm-tiny", full="bytelm"),
+        "target_val_loss": args.target_val_loss or common.by_mode(mode, smoke=5.0, quick=3.6, full=3.0),
+        "target_batch_size": args.target_batch_size or common.by_mode(mode, smoke=64, quick=256, full=1024),
+        "hiding_target_batch_size": common.by_mode(mode, smoke=64, quick=1024, full=4096),
+        "max_seconds": args.max_seconds or common.by_mode(mode, smoke=40.0, quick=75.0, full=1800.0),
+        "hiding_seconds": args.hiding_seconds or common.by_mode(mode, smoke=8.0, quick=20.0, full=60.0),
+        "repeats": args.repeats or common.by_mode(mode, smoke=1, quick=1, full=2),
+        "start_timeout_seconds": 120.0,
+        "matchmaking_seconds": 1.0,
+        "cores": cores,
+        "cores_per_peer": share,
+        "pinning": "taskset" if shutil.which("taskset") else "off: taskset is not installed",
+    }
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    run = common.Run(NAME, mode, args.output)
+    if len(cores) < max(peer_counts) * share:
+        run.note(f"{len(cores)} cores for up to {max(peer_counts)} peers at {share} core(s) each: runs with more than "
+                 f"{len(cores) // share} peers share cores (oversubscribed), so they measure sharing, not scaling")
+    base = ["--task", settings["task"], "--run-id", f"bench-scaling-{os.getpid()}", "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0", "--matchmaking-seconds", str(settings["matchmaking_seconds"]),
+            "--averaging-timeout-seconds", "10", "--data-workers", "1", "--val-batches", "4", "--metrics-port", "off",
+            "--checkpoint-every-epochs", "100000", "--min-peers-timeout-seconds", "120"]
+    rows, hiding_rows = [], []
+    with tempfile.TemporaryDirectory(prefix="swarmtrain-scaling-") as tmp:
+        work = Path(tmp)
+        for repeat in range(settings["repeats"]):
+            for peers in common.interleaved(peer_counts, repeat):
+                rows.append(scaling_run(run, peers, repeat, settings, base, work))
+            if not args.skip_hiding and mode != "smoke":
+                for name in common.interleaved(list(HIDING_RUNS), repeat):
+                    hiding_rows.append(hiding_run(run, name, settings, base, work, repeat))
+
+    speedup: Dict[str, Optional[float]] = {}
+    for peers in peer_counts:
+        pairs = [(one["time_to_target_seconds"], row["time_to_target_seconds"])
+                 for row in rows if row["peers"] == peers and row["reached"]
+                 for one in rows if one["peers"] == 1 and one["repeat"] == row["repeat"] and one["reached"]]
+        speedup[str(peers)] = common.rounded(common.stats(a / b for a, b in pairs)["median"], 3)
+    unreached = [r for r in rows if not r["reached"]]
+    if unreached:
+        run.note(f"{len(unreached)} scaling run(s) did not reach val_loss {settings['target_val_loss']}: "
+                 + "; ".join(f"N={r['peers']}: {r.get('why_not')}" for r in unreached))
+
+    if args.skip_hiding or mode == "smoke":
+        hiding = {"skipped": True, "reason": "--skip-hiding" if args.skip_hiding else "left out in smoke mode"}
+    else:
+        def rate(name: str) -> Optional[float]:
+            values = [v for r in hiding_rows if r["name"] == name for v in r["local_samples_per_second"]]
+            return common.stats(values)["median"]
+
+        alone, delayed, blocking = rate("alone"), rate("delay_updates"), rate("blocking")
+        hiding = {
+            "skipped": False,
+            "runs": hiding_rows,
+            "local_samples_per_second": {"alone": alone, "delay_updates": delayed, "blocking": blocking},
+            "hiding_ratio": common.rounded(delayed / alone, 3) if delayed and alone else None,
+            "blocking_ratio": common.rounded(blocking / alone, 3) if blocking and alone else None,
+            "rate_definition": "samples / seconds in the training thread's phases (validation, checkpoint and "
+                               "state download excluded), per peer, median over peers and repeats",
+        }
+        for r in hiding_rows:
+            if r["name"] != "alone" and not any(rounds.get("ok") for rounds in r["averaging_rounds"]):
+                run.note(f"hiding run {r['name']} completed no averaging round; its rate says nothing about hiding")
+    results = {**{k: v for k, v in settings.items()}, "scaling": rows, "speedup_vs_1": speedup, "hiding": hiding}
+    times = {str(r["peers"]): r.get("time_to_target_seconds") for r in rows if r["repeat"] == 0}
+    line = (f"{NAME} ({settings['task']}, val_loss <= {settings['target_val_loss']}, {len(cores)} cores, "
+            f"{share} per peer): time to target " + ", ".join(f"N={k}: {v}s" for k, v in times.items())
+            + "; speedup vs 1 peer " + ", ".join(f"N={k}: {common.fmt_ratio(v)}" for k, v in speedup.items())
+            + (f"; delay-updates hiding ratio {common.fmt_ratio(hiding.get('hiding_ratio'))}"
+               f" (blocking {common.fmt_ratio(hiding.get('blocking_ratio'))})" if not hiding["skipped"] else ""))
+    run.finish(results, line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""DiLoCo's outer step and ZeRO-Offload placement, with real hivemind DHTs inside this process."""
+from __future__ import annotations
+
+import threading
+from typing import List
+
+import hivemind
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from averaging.config import AveragingConfig
+from averaging.diloco import DiLoCoOptimizer, outer_nesterov_step_
+from averaging.optimizer import AveragingHooks, build_swarm_optimizer
+from tests.peers import wait_until
+
+LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def start_dhts(count: int) -> List[hivemind.DHT]:
+    first = hivemind.DHT(start=True, host_maddrs=LOCALHOST)
+    others = [hivemind.DHT(start=True, host_maddrs=LOCALHOST, initial_peers=first.get_visible_maddrs())
+              for _ in range(count - 1)]
+    return [first, *others]
+
+
+def announce(optimizer) -> None:
+    """Make this peer visible to the others' progress trackers before it has any samples (as the trainer does)."""
+    tracker = optimizer.tracker
+    tracker.dht.store(tracker.training_progress_key, subkey=tracker._local_public_key,
+                      value=tracker.local_progress.dict(), expiration_time=get_dht_time() + 30)
+
+
+def make_diloco(config, dht, model, hooks=None) -> DiLoCoOptimizer:
+    return DiLoCoOptimizer(
+        config, dht=dht, run_id="diloco_math", params=model.parameters(),
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.0),  # inner steps change nothing
+        scheduler_factory=None, batch_size=4, client_mode=False, hooks=hooks,
+        # progress records are keyed by a signing key that is process-wide by default: one per peer here
+        tracker_opts=dict(private_key=RSAPrivateKey(), metadata_expiration=30.0),
+        averager_opts=dict(request_timeout=0.5), matchmaking_floor=1.0, allreduce_timeout=20.0,
+    )
+
+
+def run_in_threads(*calls, timeout: float = 60.0) -> None:
+    errors = []
+
+    def guarded(call):
+        try:
+            call()
+        except BaseException as e:  # surfaced below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(call,), daemon=True) for call in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+        assert not thread.is_alive(), "a peer's step did not return"
+    assert not errors, errors
+
+
+def test_nesterov_step_matches_torch_sgd():
+    generator = torch.Generator().manual_seed(1)
+    params = [torch.randn(3, 2, generator=generator)]
+    reference = [p.clone().requires_grad_() for p in params]
+    sgd = torch.optim.SGD(reference, lr=0.3, momentum=0.8, nesterov=True)
+    momenta = [torch.zeros_like(p) for p in params]
+    for _ in range(4):
+        grads = [torch.randn(3, 2, generator=generator)]
+        outer_nesterov_step_(params, momenta, grads, lr=0.3, momentum=0.8)
+        reference[0].grad = grads[0].clone()
+        sgd.step()
+    assert torch.allclose(params[0], reference[0].detach(), atol=1e-6)
+    assert torch.allclose(momenta[0], sgd.state[reference[0]]["momentum_buffer"], atol=1e-6)
+
+
+@pytest.mark.timeout(180)
+def test_two_diloco_peers_apply_exactly_the_outer_nesterov_update_and_a_newcomer_downloads_it():
+    config = AveragingConfig(strategy="diloco", target_batch_size=4, matchmaking_seconds=1.0,
+                             averaging_timeout_seconds=20.0, outer_lr=0.5, outer_momentum=0.9)
+    start = torch.tensor([1.0, -2.0])  # weight and bias of a 1 -> 1 linear model: 2 parameters
+    dhts = start_dhts(3)
+    peers, models, reports = [], [], []
+    try:
+        for dht in dhts[:2]:
+            model = torch.nn.Linear(1, 1)
+            with torch.no_grad():
+                model.weight.fill_(float(start[0])), model.bias.fill_(float(start[1]))
+            hooks = AveragingHooks(round_finished=reports.append)
+            peers.append(make_diloco(config, dht, model, hooks))
+            models.append(model)
+        assert all(isinstance(peer, DiLoCoOptimizer) for peer in peers)
+
+        def visible() -> bool:
+            for peer in peers:
+                announce(peer)
+            return all(peer.tracker.global_progress.num_peers == 2 for peer in peers)
+
+        wait_until(visible, 60, interval=1.0, message="both trackers to see both peers")
+
+        # the reference: torch's own Nesterov SGD on the mean pseudo-gradient of each round
+        reference = start.clone().requires_grad_()
+        sgd = torch.optim.SGD([reference], lr=0.5, momentum=0.9, nesterov=True)
+        rounds = [(torch.tensor([0.2, -0.4]), torch.tensor([0.6, 0.0])),
+                  (torch.tensor([-0.1, 0.3]), torch.tensor([0.5, 0.1]))]
+        for deltas in rounds:
+            round_start = torch.cat([models[0].weight.detach().flatten(), models[0].bias.detach()])
+            for model, delta in zip(models, deltas):  # as if the inner steps had moved the replica by -delta
+                with torch.no_grad():
+                    model.weight.fill_(float(round_start[0] - delta[0]))
+                    model.bias.fill_(float(round_start[1] - delta[1]))
+            run_in_threads(*(lambda peer=peer: peer.step(batch_size=4) for peer in peers))
+            reference.grad = (deltas[0] + deltas[1]) / 2  # equal weights: both stepped on 4 samples
+            sgd.step()
+            expected = reference.detach()
+            for model, peer in zip(models, peers):
+                got = torch.cat([model.weight.detach().flatten(), model.bias.detach()])
+                assert torch.allclose(got, expected, atol=1e-6), (got, expected)
+                assert torch.allclose(torch.cat([p.flatten() for p in peer.global_params]), expected, atol=1e-6)
+        assert [r.outcome for r in reports] == ["ok"] * 4 and all(r.group_size == 2 for r in reports)
+        assert [peer.local_epoch for peer in peers] == [2, 2]
+        momentum = sgd.state[reference]["momentum_buffer"]
+
+        # a newcomer gets the round-start params, the outer momentum and the epoch
+        newcomer_model = torch.nn.Linear(1, 1)
+        newcomer = make_diloco(config, dhts[2], newcomer_model)
+        peers.append(newcomer)
+        newcomer.load_state_from_peers()
+        assert newcomer.local_epoch == 2
+        got = torch.cat([newcomer_model.weight.detach().flatten(), newcomer_model.bias.detach()])
+        assert torch.allclose(got, expected, atol=1e-6)
+        assert torch.allclose(torch.cat([m.flatten() for m in newcomer.outer_momentum]), momentum, atol=1e-6)
+    finally:
+        for peer in peers:
+            peer.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [False, True])
+def test_offloaded_optimizer_state_is_in_host_memory_and_updates_reach_the_model(delay: bool):
+    dht = hivemind.DHT(start=True, host_maddrs=LOCALHOST)
+    optimizer = None
+    try:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+        config = AveragingConfig(target_batch_size=8, matchmaking_seconds=1.0, averaging_timeout_seconds=10.0,
+                                 offload_optimizer=True, delay_updates=delay)
+        optimizer = build_swarm_optimizer(
+            config, dht=dht, run_id="offload", params=model.parameters(),
+            optimizer_factory=lambda params: torch.optim.Adam(params, lr=0.05),
+            scheduler_factory=None, batch_size=8, client_mode=False,
+        )
+        inner = optimizer.state_averager.optimizer
+        model_params = list(model.parameters())
+        offloaded = [p for group in inner.param_groups for p in group["params"]]
+        assert all(p.device == device for p in model_params)
+        # the optimizer works on a separate fp32 master copy in host (shared) memory
+        assert all(o.device.type == "cpu" and o.is_shared() for o in offloaded)
+        assert not any(o is p for o, p in zip(offloaded, model_params))
+        for o in offloaded:
+            assert {"exp_avg", "exp_avg_sq"} <= set(inner.state[o])
+            assert all(t.device.type == "cpu" for t in inner.state[o].values() if torch.is_tensor(t))
+
+        generator = torch.Generator().manual_seed(0)
+        inputs, targets = torch.randn(8, 8, generator=generator), torch.randn(8, 1, generator=generator)
+        before = [p.detach().clone() for p in model_params]
+        losses = []
+        for _ in range(12):
+            loss = torch.nn.functional.mse_loss(model(inputs.to(device)), targets.to(device))
+            loss.backward()
+            optimizer.step(batch_size=8)
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        optimizer.wait_for_background_updates()
+        assert optimizer.local_epoch >= 10
+        assert any(not torch.equal(b, p.detach()) for b, p in zip(before, model_params))
+        assert losses[-1] < losses[0]
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()

@@ -1,0 +1,54 @@
+"""Each averaging strategy on a real 2-peer swarm of the built-in task: loss falls, peers agree."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.peers import FAST_SWARM_ARGS, load_model_state, max_parameter_difference
+
+pytestmark = pytest.mark.integration
+
+AUTO_DEADLINES = [
+    "--matchmaking-seconds", "auto", "--matchmaking-seconds-min", "1", "--matchmaking-seconds-max", "3",
+    "--averaging-timeout-seconds", "auto", "--averaging-timeout-seconds-min", "5",
+    "--averaging-timeout-seconds-max", "20",
+]
+
+STRATEGIES = {
+    # with adaptive deadlines: they start at (1 s, 20 s) and must move once rounds are measured
+    "sync": AUTO_DEADLINES,
+    # 4 epochs, state averaged every 2: the last epoch is an averaging epoch, so weights must agree
+    # peers reach an epoch at their own pace here: a longer matchmaking window lets both join its round
+    "local-sgd": ["--average-state-every", "2", "--average-opt-statistics", "exp_avg,exp_avg_sq",
+                  "--matchmaking-seconds", "3", "--averaging-timeout-seconds", "15"],
+    "powersgd": ["--powersgd-rank", "2", "--grad-compression", "fp16"],
+    "diloco": ["--diloco-inner-steps", "8", "--outer-lr", "0.7", "--outer-momentum", "0.9"],
+    # ZeRO-Offload with delayed parameter updates (sync strategy underneath)
+    "offload-delayed": ["--offload-optimizer", "--delay-updates", "--grad-compression", "fp16"],
+}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_two_peers_learn_and_agree(spawn, tmp_path: Path, name: str):
+    epochs = 4
+    strategy = name if name in ("sync", "local-sgd", "powersgd", "diloco") else "sync"
+    swarm = spawn(
+        "swarm", "swarm", "--peers", "2", *FAST_SWARM_ARGS, "--averaging", strategy, *STRATEGIES[name],
+        "--min-peers", "2", "--target-batch-size", "64", "--max-epochs", str(epochs),
+        "--checkpoint-dir", str(tmp_path / "ckpt"), "--summary-dir", str(tmp_path / "summaries"),
+    )
+    assert swarm.wait(130) == 0, swarm.log()[-4000:]
+    summaries = [json.loads((tmp_path / "summaries" / f"peer-{i}.json").read_text()) for i in range(2)]
+    for summary in summaries:
+        assert summary["exit_reason"] == "max_epochs"
+        assert summary["global_epoch"] == epochs
+        assert summary["averaging_rounds"]["ok"] >= 1, summary["averaging_rounds"]
+        assert summary["val_loss_last"] <= 0.9 * summary["val_loss_first"], summary
+    if name == "sync":
+        changes = [line for line in swarm.log().splitlines() if "adaptive deadlines:" in line]
+        assert changes and "averaging timeout 20.0s" not in changes[0], changes
+    states = [load_model_state(tmp_path / "ckpt" / f"peer-{i}") for i in range(2)]
+    assert max_parameter_difference(states[0], states[1]) <= 1e-5

@@ -1,0 +1,226 @@
+"""The bad input matrix: every flag and config key, wrong in every way a person gets it wrong.
+
+Each case must end in exit code 2 with one line naming the input, and never a traceback
+or a hang. Config problems are checked in-process (fast); problems that only show when
+the peer starts (a busy port, a broken task module) run the real command.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import pytest
+
+from peer.cli import main
+from peer.config import OPTIONS
+from tests.peers import REPO_ROOT
+
+
+def _file(tmp: Path, name: str, content: str) -> str:
+    path = tmp / name
+    path.write_text(content)
+    return str(path)
+
+
+# option name -> functions of a temp dir returning a bad value for it
+BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
+    "run_id": [lambda t: "has space", lambda t: "dots.are.not.allowed"],
+    "task": [lambda t: ""],
+    "batch_size": [lambda t: "0", lambda t: "eight"],
+    "device": [lambda t: "tpu"],
+    "max_epochs": [lambda t: "0", lambda t: "1.5"],
+    "max_seconds": [lambda t: "-1", lambda t: "soon"],
+    "data_workers": [lambda t: "-1"],
+    "seed": [lambda t: "-1"],
+    "val_batches": [lambda t: "0"],
+    "checkpoint_dir": [lambda t: _file(t, "a-file", "not a directory")],
+    "checkpoint_every_epochs": [lambda t: "0"],
+    "keep_checkpoints": [lambda t: "0"],
+    "log_format": [lambda t: "xml"],
+    "verbose": [lambda t: "maybe"],
+    "summary_json": [lambda t: str(t)],
+    "initial_peers": [lambda t: "not-a-multiaddr", lambda t: "/ip4/999.1.1.1/tcp/1"],
+    "initial_peers_file": [lambda t: str(t / "missing.txt"), lambda t: _file(t, "peers.txt", "garbage\n")],
+    "identity": [lambda t: _file(t, "identity.key", "not a key")],
+    "swarm_key": [lambda t: _file(t, "swarm.key", "short"), lambda t: str(t / "missing.key")],
+    "host_maddrs": [lambda t: "0.0.0.0:31337"],
+    "announce_maddrs": [lambda t: "/ip4/1.2.3.4/tcp/port"],
+    "client_mode": [lambda t: "perhaps"],
+    "startup_timeout_seconds": [lambda t: "0"],
+    "startup_attempts": [lambda t: "0"],
+    "target_batch_size": [lambda t: "0", lambda t: "lots"],
+    "matchmaking_seconds": [lambda t: "-1", lambda t: "later"],
+    "averaging_timeout_seconds": [lambda t: "0"],
+    "load_state_timeout_seconds": [lambda t: "0"],
+    "min_peers": [lambda t: "0"],
+    "min_peers_timeout_seconds": [lambda t: "0"],
+    "metrics_port": [lambda t: "70000", lambda t: "on"],
+    "metrics_host": [lambda t: "not a host!"],
+    "health_window_seconds": [lambda t: "0"],
+    "strategy": [lambda t: "gossip"],
+    "matchmaking_seconds_min": [lambda t: "0"],
+    "matchmaking_seconds_max": [lambda t: "-3"],
+    "averaging_timeout_seconds_min": [lambda t: "0"],
+    "averaging_timeout_seconds_max": [lambda t: "never"],
+    "average_state_every": [lambda t: "0"],
+    "average_opt_statistics": [lambda t: "exp avg"],
+    "powersgd_rank": [lambda t: "0"],
+    "diloco_inner_steps": [lambda t: "0"],
+    "outer_lr": [lambda t: "0"],
+    "outer_momentum": [lambda t: "1.5"],
+    "grad_compression": [lambda t: "zip"],
+    "state_compression": [lambda t: "fp8"],
+    "load_state_compression": [lambda t: "gzip"],
+    "adaptive_compression_threshold": [lambda t: "0"],
+    "adaptive_large_codec": [lambda t: "fp16"],
+    "offload_optimizer": [lambda t: "sometimes"],
+    "delay_updates": [lambda t: "yes please"],
+}
+
+CASES = [(name, index) for name in sorted(BAD_VALUES) for index in range(len(BAD_VALUES[name]))]
+# a boolean flag takes no value: its bad values come through the environment or a config file
+FLAG_CASES = [(name, index) for name, index in CASES if not OPTIONS[name].is_bool]
+
+
+@pytest.fixture(autouse=True)
+def never_start_a_peer(monkeypatch):
+    """If a bad value were accepted, fail at once instead of training in the test process."""
+    import peer.app
+
+    def accepted(config):
+        raise AssertionError("the bad input was accepted")
+
+    monkeypatch.setattr(peer.app, "run_peer", accepted)
+
+
+def run_cli(capsys, argv: List[str]) -> tuple:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    captured = capsys.readouterr()
+    return exited.value.code, captured.out + captured.err
+
+
+def assert_one_line_error(code, output: str, *must_contain: str) -> None:
+    assert code == 2, output
+    lines = output.strip().splitlines()
+    assert len(lines) == 1, output
+    assert lines[0].startswith("error: ") and "Traceback" not in output
+    for text in must_contain:
+        assert text in lines[0], output
+
+
+def test_every_option_is_in_the_matrix():
+    assert sorted(OPTIONS) == sorted(BAD_VALUES)
+
+
+@pytest.mark.parametrize("name, index", FLAG_CASES)
+def test_bad_flag(capsys, tmp_path, name, index):
+    option = OPTIONS[name]
+    code, output = run_cli(capsys, ["start", option.flag, BAD_VALUES[name][index](tmp_path)])
+    assert_one_line_error(code, output, option.flag)
+
+
+@pytest.mark.parametrize("name, index", CASES)
+def test_bad_environment_variable(capsys, tmp_path, monkeypatch, name, index):
+    option = OPTIONS[name]
+    monkeypatch.setenv(option.env, BAD_VALUES[name][index](tmp_path))
+    code, output = run_cli(capsys, ["start"])
+    assert_one_line_error(code, output, option.flag, option.env)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_VALUES))
+def test_bad_config_file_value(capsys, tmp_path, name):
+    option = OPTIONS[name]
+    value = BAD_VALUES[name][0](tmp_path)
+    config = tmp_path / "peer.toml"
+    config.write_text(f"[{option.section}]\n{option.name} = {value!r}\n".replace("'", '"'))
+    code, output = run_cli(capsys, ["start", "--config", str(config)])
+    assert_one_line_error(code, output, option.dotted, str(config))
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("[training]\nbatch_sise = 4\n", "unknown key 'training.batch_sise' (did you mean 'training.batch_size'?)"),
+        ("[trainig]\nbatch_size = 4\n", "unknown key 'trainig' (did you mean 'training'?)"),
+        ("batch_size = 4\n", "unknown key 'batch_size' (did you mean 'training.batch_size'?)"),
+        ("[training]\nbatch_size = 4\nbatch_size = 5\n", "is not valid TOML"),
+        ("[training]\nbatch_size = 'four'\n", "--batch-size (training.batch_size) = 'four'"),
+        ("training = 3\n", "[training] must be a table"),
+    ],
+)
+def test_bad_config_file_shape(capsys, tmp_path, content, expected):
+    config = tmp_path / "peer.toml"
+    config.write_text(content)
+    code, output = run_cli(capsys, ["start", "--config", str(config)])
+    assert_one_line_error(code, output, expected)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--config", "{tmp}/missing.toml"], "--config: cannot read"),
+        (["--config", "{tmp}"], "--config"),
+        (["--config", "{tmp}/peer.ini"], "must end in .toml, .yaml or .yml"),
+        (["--batch-size", "64", "--target-batch-size", "32"], "--batch-size (64) is larger than --target-batch-size (32)"),
+        (["--client-mode"], "--client-mode needs --initial-peers"),
+        (["--batchsize", "4"], "--batchsize"),
+        (["--max-epochs"], "--max-epochs"),
+        (["--delay-updates"], "--delay-updates"),
+        (["--averaging", "diloco", "--offload-optimizer"], "--offload-optimizer does not work with --averaging diloco"),
+        (["--matchmaking-seconds-min", "9", "--matchmaking-seconds-max", "3"], "--matchmaking-seconds-min"),
+    ],
+)
+def test_unreadable_files_conflicts_and_unknown_flags(capsys, tmp_path, argv, expected):
+    (tmp_path / "peer.ini").write_text("[training]\n")
+    code, output = run_cli(capsys, ["start", *[arg.format(tmp=tmp_path) for arg in argv]])
+    assert_one_line_error(code, output, expected)
+
+
+def test_unknown_environment_variable_suggests_the_right_one(capsys, monkeypatch):
+    monkeypatch.setenv("PEER_TARGET_BATCHSIZE", "64")
+    code, output = run_cli(capsys, ["start"])
+    assert_one_line_error(code, output, "PEER_TARGET_BATCHSIZE", "did you mean 'PEER_TARGET_BATCH_SIZE'?")
+
+
+def run_peer_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "peer", "start", "--checkpoint-dir", str(tmp_path / "ckpt"), *args],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+
+
+@pytest.mark.parametrize(
+    "module_source, task, expected",
+    [
+        (None, "bytelmm", "did you mean 'bytelm'"),
+        (None, "no_such_module_anywhere:make_task", "cannot import module 'no_such_module_anywhere'"),
+        ("raise RuntimeError('broken on import')\n", "broken_task:make_task", "RuntimeError: broken on import"),
+        ("def make_task():\n    return 42\n", "broken_task:make_task", "returned int, expected peer.tasks.Task"),
+    ],
+)
+def test_bad_task_exits_2_without_traceback(tmp_path, module_source, task, expected):
+    if module_source is not None:
+        (tmp_path / "broken_task.py").write_text(module_source)
+    result = run_peer_process(tmp_path, "--task", task, "--metrics-port", "0")
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert expected in output and "Traceback" not in output
+    assert [line for line in output.splitlines() if line.startswith("error: ")] == [
+        line for line in output.splitlines() if expected in line
+    ]
+
+
+def test_metrics_port_in_use_exits_2(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_peer_process(tmp_path, "--task", "bytelm-tiny", "--metrics-port", str(port))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert f"metrics port {port} on 0.0.0.0 is already in use" in output and "Traceback" not in output

@@ -1,0 +1,125 @@
+"""Each benchmark's smallest configuration runs and writes the JSON fields its docstring documents.
+
+These check that the scripts work, not what they measure: no timing is asserted. Each runs
+as a subprocess (as a person would run it), in its own session so that a timeout kills
+everything it started; allreduce_link cleans its network namespaces on SIGTERM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ENVELOPE = {"benchmark", "mode", "command", "hardware", "started_at", "finished_at", "wall_seconds", "results",
+            "notes", "summary"}
+HARDWARE = {"cpu_model", "cpu_cores_online", "ram_gib", "torch", "hivemind", "date_utc", "cuda_device"}
+STATS = {"median", "min", "max", "n"}
+
+
+def run_benchmark(name: str, tmp_path: Path, *extra: str, timeout: float = 100.0) -> tuple:
+    """Run `python -m benchmarks.<name> --smoke`; return its JSON results and its pid."""
+    output = tmp_path / f"{name}.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", f"benchmarks.{name}", "--smoke", "--output", str(output), *extra],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)  # lets the script stop its workers and remove its namespaces
+        try:
+            out, _ = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            out, _ = process.communicate(timeout=10)
+        pytest.fail(f"benchmarks.{name} --smoke ran over {timeout:.0f}s:\n{out[-3000:]}")
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # whatever it left behind
+        except (ProcessLookupError, PermissionError):
+            pass
+    assert process.returncode == 0, out[-3000:]
+    document = json.loads(output.read_text())
+    assert ENVELOPE <= document.keys()
+    assert HARDWARE <= document["hardware"].keys()
+    assert document["benchmark"] == name and document["mode"] == "smoke"
+    assert document["summary"].startswith(name) and document["summary"] in out
+    return document["results"], process.pid
+
+
+@pytest.mark.timeout(120)
+def test_local_overhead_smoke(tmp_path: Path):
+    results, _ = run_benchmark("local_overhead", tmp_path)
+    assert {"task", "batch_size", "data_workers", "rounds", "ways", "devices"} <= results.keys()
+    cpu = results["devices"]["cpu"]
+    assert set(cpu["samples_per_second"]) == {"plain", "daemon", "daemon_monitoring_off", "hivemind"}
+    for ratio in ("daemon_over_plain", "hivemind_over_plain", "daemon_over_hivemind", "monitoring_on_over_off"):
+        assert STATS <= cpu["ratios"][ratio].keys() and cpu["ratios"][ratio]["n"] >= 1
+    assert {"daemon_meets", "monitoring_meets"} <= cpu["goals"].keys()
+    assert "monitoring_overhead" in cpu and cpu["per_round"]
+    assert "cuda" in results["devices"]
+
+
+@pytest.mark.timeout(150)
+def test_allreduce_link_smoke(tmp_path: Path):
+    results, pid = run_benchmark("allreduce_link", tmp_path, timeout=130)
+    assert results["network"] in ("netns", "loopback-only")
+    assert {"peers", "sizes_mib", "links", "rounds", "matchmaking_seconds", "grad_compression"} <= results["settings"].keys()
+    assert results["ours"]["averager"]["class"] == "GradientAverager"
+    assert results["bare"]["averager"]["class"] == "DecentralizedAverager"
+    assert results["rows"] and results["ratios"]
+    for row in results["rows"]:
+        assert {"peers", "size_mib", "link", "config", "rounds_ok", "rounds_failed", "round_seconds",
+                "matchmaking_seconds", "allreduce_seconds", "bound_seconds", "allreduce_over_bound",
+                "tcp_mbit"} <= row.keys()
+        assert STATS <= row["allreduce_seconds"].keys()
+    assert {row["config"] for row in results["rows"]} == {"bare", "ours"}
+    if results["network"] == "netns":
+        assert any(row["bound_seconds"] for row in results["rows"])
+    if os.geteuid() == 0:  # its namespaces (named after its pid) are gone
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split()
+        assert not [name for name in listed if re.fullmatch(rf"stb{pid % 100000}(hub|p\d+)", name)], listed
+
+
+@pytest.mark.timeout(120)
+def test_compression_smoke(tmp_path: Path):
+    results, _ = run_benchmark("compression", tmp_path)
+    assert {"task", "parameters", "fp32_bytes", "codecs", "skipped", "round_codecs"} <= results.keys()
+    expected = {"none", "fp16", "scaled-fp16", "uint8", "quantile8", "adaptive"}
+    assert expected <= set(results["codecs"]) | set(results["skipped"])
+    for name, row in results["codecs"].items():
+        assert {"payload_bytes", "payload_ratio", "rel_l2_error", "max_abs_error"} <= row.keys()
+    assert results["codecs"]["none"]["payload_ratio"] == pytest.approx(1.0, abs=0.01)
+    assert results["codecs"]["none"]["rel_l2_error"] == 0
+    for name in results["round_codecs"]:
+        row = results["codecs"][name]
+        assert {"rounds_ok", "rounds_failed", "round_seconds", "allreduce_seconds", "allreduce_over_none"} <= row.keys()
+
+
+@pytest.mark.timeout(60)
+def test_offload_smoke(tmp_path: Path):
+    results, _ = run_benchmark("offload", tmp_path)
+    if results["skipped"]:
+        assert "reason" in results
+    else:
+        assert {"model", "configs", "ratios"} <= results.keys()
+        assert set(results["configs"]) == {"baseline", "offload", "offload_delay"}
+
+
+@pytest.mark.timeout(120)
+def test_scaling_smoke(tmp_path: Path):
+    results, _ = run_benchmark("scaling", tmp_path)
+    assert {"task", "target_val_loss", "target_batch_size", "cores", "cores_per_peer", "pinning", "scaling",
+            "speedup_vs_1", "hiding"} <= results.keys()
+    assert {row["peers"] for row in results["scaling"]} == {1, 2}
+    for row in results["scaling"]:
+        assert {"reached", "cpu_sets", "oversubscribed", "exit_codes", "epoch"} <= row.keys()
+    assert results["hiding"]["skipped"] in (True, False)
