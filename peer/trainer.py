@@ -83,6 +83,10 @@ class Trainer:
         self.display = display or ProgressDisplay(config.averaging.target_batch_size, interactive=False)
         self.on_progress = on_progress  # heartbeat for /healthz
         self.batch_size = config.training.batch_size or task.batch_size
+        # GPU kernels run asynchronously: without a synchronize at phase boundaries their time would land
+        # in whichever phase waits next. Only on CUDA, and only when the metrics are exported.
+        measure_gpu = device.type == "cuda" and config.monitoring.metrics_port != "off"
+        self._phase_boundary: Callable[[], None] = torch.cuda.synchronize if measure_gpu else (lambda: None)
         self._last_round_outcome: Optional[str] = None
         self.summary = PeerSummary(run_id=config.training.run_id, task=task.name, peer_id=str(dht.peer_id))
         self.store = CheckpointStore(config.checkpoint.checkpoint_dir, keep=config.checkpoint.keep_checkpoints)
@@ -283,10 +287,13 @@ class Trainer:
             batch = next(batches)
         with timer.phase("h2d"):
             batch = move_to(batch, self.device)
+            self._phase_boundary()
         with timer.phase("forward"):
             loss = self.task.loss_fn(self.model, batch)
+            self._phase_boundary()
         with timer.phase("backward"):
             loss.backward()
+            self._phase_boundary()
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):
             # never feed a non-finite gradient to the swarm: drop this batch and go on
