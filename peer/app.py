@@ -6,6 +6,7 @@ could not run (swarm unreachable, --min-peers not met, a crash), 2 for bad input
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Optional
@@ -146,7 +147,7 @@ def run_peer(config: PeerConfig) -> int:
         exit_code = EXIT_OK
         return EXIT_OK
     except BadInput as e:
-        print(f"error: {e}", flush=True)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         reason, exit_code = "bad_input", EXIT_BAD_INPUT
         return EXIT_BAD_INPUT
     except DHTStartError as e:
