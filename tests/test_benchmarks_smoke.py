@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # real peers, namespaces and averaging rounds
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ENVELOPE = {"benchmark", "mode", "command", "hardware", "started_at", "finished_at", "wall_seconds", "results",
             "notes", "summary"}

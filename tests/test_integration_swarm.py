@@ -24,7 +24,7 @@ def read_summary(path: Path) -> dict:
 
 @pytest.mark.timeout(240)
 def test_three_peers_train_in_lock_step(spawn, tmp_path: Path):
-    epochs = 12
+    epochs = 16
     swarm = spawn(
         "swarm", "swarm", "--peers", "3", *FAST_SWARM_ARGS,
         "--min-peers", "3", "--target-batch-size", "48", "--max-epochs", str(epochs),
