@@ -427,23 +427,17 @@ class Prometheus:
 
 class LiveSwarm:
     def __init__(self, prometheus: Prometheus, instances: List[str], peers: List[PeerProcess],
-                 monitor: Optional[PeerProcess]):
+                 monitor: PeerProcess):
         self.prometheus, self.instances, self.peers, self.monitor = prometheus, instances, peers, monitor
 
     def logs(self) -> str:
-        processes = self.peers + ([self.monitor] if self.monitor else [])
+        processes = [*self.peers, self.monitor]
         return "\n".join(f"--- {p.log_path.name}\n{p.log()[-1500:]}" for p in processes)
-
-
-def monitor_available() -> bool:
-    from peer.cli import cli
-
-    return "monitor" in cli.commands
 
 
 @pytest.fixture(scope="module")
 def live_swarm(prometheus_binary: str, tmp_path_factory) -> Iterator[LiveSwarm]:
-    """Two `peer start` processes, `peer monitor` when this checkout has it, and Prometheus scraping them.
+    """Two `peer start` processes, `peer monitor`, and Prometheus scraping them.
 
     Module-scoped so the peer panels and the monitor panels share one swarm; like the
     `spawn` fixture, every process is killed at teardown.
@@ -464,10 +458,8 @@ def live_swarm(prometheus_binary: str, tmp_path_factory) -> Iterator[LiveSwarm]:
         address = a.join_address()
         b = start("b", "start", *common, "--metrics-port", str(b_port), "--checkpoint-dir", str(workdir / "b"),
                   "--initial-peers", address)
-        monitor = None
-        if monitor_available():
-            monitor = start("monitor", "monitor", "--initial-peers", address, "--metrics-port", str(monitor_port),
-                            "--target-batch-size", "32", "--metrics-host", "127.0.0.1")
+        monitor = start("monitor", "monitor", "--initial-peers", address, "--metrics-port", str(monitor_port),
+                        "--target-batch-size", "32", "--metrics-host", "127.0.0.1")
         instances = [f"127.0.0.1:{a_port}", f"127.0.0.1:{b_port}"]
         config = local_prometheus_config({"peer": instances, "monitor": [f"127.0.0.1:{monitor_port}"]})
         prometheus = Prometheus(prometheus_binary, config, workdir)
@@ -536,8 +528,6 @@ def test_image_healthcheck_passes_against_a_live_peer(live_swarm: LiveSwarm):
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_every_monitor_panel_query_returns_data(live_swarm: LiveSwarm):
-    if live_swarm.monitor is None:
-        pytest.skip("`peer monitor` is not in this checkout yet; its panels are checked once it exists")
     monitor_queries = [q for q in panel_queries() if 'job="monitor"' in q[2]]
     assert monitor_queries
     wait_until(lambda: live_swarm.prometheus.query('up{job="monitor"} == 1'), 60, message="monitor scraped")
