@@ -25,7 +25,7 @@ from peer.logs import setup_logging, silence_hivemind
 from peer.progress import ProgressDisplay
 from peer.signals import StopRequest
 from peer.tasks import TaskLoadError, load_task
-from peer.trainer import Trainer, TrainingObserver
+from peer.trainer import Trainer, TrainingDiverged, TrainingObserver
 from peer.version import __version__
 
 logger = logging.getLogger("peer")
@@ -153,6 +153,10 @@ def run_peer(config: PeerConfig) -> int:
     except DHTStartError as e:
         logger.error(str(e))
         reason = "dht_start_failed"
+        return EXIT_FAILED
+    except TrainingDiverged as e:
+        logger.error(str(e))
+        reason = "diverged"
         return EXIT_FAILED
     except Exception as e:
         logger.error(f"peer failed: {type(e).__name__}: {e}", exc_info=True)

@@ -27,6 +27,8 @@ class PeerSummary(BaseModel):
     longest_step_seconds: float = 0.0
     """The longest local step, averaging and state downloads included: how long this peer ever blocked."""
     state_downloads: int = 0
+    nonfinite_batches: int = 0
+    """Batches skipped because their loss was NaN or Inf."""
     resumed_from: Optional[str] = None
     exit_reason: str = "running"
 

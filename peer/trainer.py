@@ -32,6 +32,13 @@ from peer.tasks import Task
 
 logger = logging.getLogger(__name__)
 
+NONFINITE_LOSS_LIMIT = 20
+"""Batches in a row with a non-finite loss before the peer acts: one is noise, twenty is divergence."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss stays non-finite and the swarm cannot give this peer finite weights: stop, do not spin."""
+
 
 class TrainingObserver:
     """What the loop reports as it goes; the default does nothing. peer.app connects it to metrics."""
@@ -88,6 +95,8 @@ class Trainer:
         measure_gpu = device.type == "cuda" and config.monitoring.metrics_port != "off"
         self._phase_boundary: Callable[[], None] = torch.cuda.synchronize if measure_gpu else (lambda: None)
         self._last_round_outcome: Optional[str] = None
+        self._nonfinite_streak = 0
+        self._reset_from_swarm = False  # whether this streak of non-finite losses already took the swarm's state
         self.summary = PeerSummary(run_id=config.training.run_id, task=task.name, peer_id=str(dht.peer_id))
         self.store = CheckpointStore(config.checkpoint.checkpoint_dir, keep=config.checkpoint.keep_checkpoints)
 
@@ -271,9 +280,10 @@ class Trainer:
             step_started = time.monotonic()
             loss = self._step(batches)
             self.summary.longest_step_seconds = max(self.summary.longest_step_seconds, time.monotonic() - step_started)
-            stats.samples += self.batch_size
-            stats.steps += 1
-            stats.loss_sum += loss
+            if math.isfinite(loss):
+                stats.samples += self.batch_size
+                stats.steps += 1
+                stats.loss_sum += loss
             self.on_progress()
             self._report_swarm()
 
@@ -297,9 +307,10 @@ class Trainer:
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):
             # never feed a non-finite gradient to the swarm: drop this batch and go on
-            logger.warning(f"non-finite loss ({loss_value}); skipping this batch")
             self.optimizer.zero_grad()
+            self._on_nonfinite_loss(loss_value)
             return loss_value
+        self._nonfinite_streak, self._reset_from_swarm = 0, False
         with timer.phase("optimizer"):
             self.optimizer.step(batch_size=self.batch_size)
             self.optimizer.zero_grad()
@@ -308,6 +319,28 @@ class Trainer:
         self.summary.train_loss = loss_value
         self.observer.on_step(self.batch_size, loss_value)
         return loss_value
+
+    def _on_nonfinite_loss(self, loss_value: float) -> None:
+        """Skip the batch; after NONFINITE_LOSS_LIMIT in a row, take the swarm's weights once, then stop."""
+        self.summary.nonfinite_batches += 1
+        self._nonfinite_streak += 1
+        if self._nonfinite_streak == 1:  # one line per streak: a diverged peer would otherwise flood its log
+            logger.warning(f"non-finite loss ({loss_value}); skipping this batch")
+        if self._nonfinite_streak < NONFINITE_LOSS_LIMIT:
+            return
+        self._nonfinite_streak = 0
+        if not self._reset_from_swarm and self.optimizer.tracker.global_progress.num_peers > 1:
+            logger.warning(f"the loss was non-finite for {NONFINITE_LOSS_LIMIT} batches in a row: "
+                           f"replacing this peer's weights with the swarm's state")
+            self._reset_from_swarm = True
+            self.optimizer.load_state_from_peers()
+            return
+        after = " even with the swarm's weights" if self._reset_from_swarm else ""
+        raise TrainingDiverged(
+            f"the loss was non-finite for {NONFINITE_LOSS_LIMIT} batches in a row{after}: training diverged or "
+            f"the task's data or loss function produce NaN/Inf; lower the learning rate or fix the task, "
+            f"then restart (from the last checkpoint, or with a fresh --checkpoint-dir)"
+        )
 
     def _report_swarm(self) -> None:
         progress = self.optimizer.tracker.global_progress

@@ -81,6 +81,22 @@ def make_stalling_task() -> Task:
     return _task("stalling", lambda: _mlp(16, 1), SyntheticDataset(4096, stall_after_items=stall_after), batch_size=8)
 
 
+def make_nan_loss_task() -> Task:
+    """A task whose loss is always NaN while the weights stay finite: a broken loss function or data."""
+    import dataclasses
+
+    base = _task("nan-loss", lambda: _mlp(16, 1), SyntheticDataset(4096), batch_size=8)
+    return dataclasses.replace(base, loss_fn=lambda model, batch: mse_loss(model, batch) * float("nan"))
+
+
+def make_diverging_task() -> Task:
+    """SGD with a learning rate so large that the weights overflow to Inf/NaN within a few steps."""
+    import dataclasses
+
+    base = _task("diverging", lambda: _mlp(16, 1), SyntheticDataset(4096), batch_size=8)
+    return dataclasses.replace(base, build_optimizer=lambda params: torch.optim.SGD(params, lr=1e30))
+
+
 class _NaNGradient(torch.autograd.Function):
     """Identity forward, NaN backward: a finite loss whose gradients are poisoned."""
 
@@ -94,25 +110,33 @@ class _NaNGradient(torch.autograd.Function):
 
 
 def make_nan_gradients_task() -> Task:
-    """bytelm-tiny whose gradients are NaN on every other step (POISON=own), or on every step by a peer
-    that also skips its own guard and sends them to the swarm (POISON=send), like a malicious peer."""
+    """bytelm-tiny whose gradients are NaN on every other checked batch (POISON=own), or on every batch by a
+    peer that also skips its own guard and sends them to the swarm (POISON=send), like a malicious peer.
+
+    "Every other checked batch": hivemind discards a batch without checking it when the peer is out of sync,
+    so alternating on calls alone can land every poisoned batch on a discarded step and test nothing."""
     import dataclasses
 
+    import hivemind
+
+    from averaging.optimizer import SwarmOptimizer
     from peer.tasks import load_task
 
     mode = os.environ.get("POISON", "own")
     base = load_task("bytelm-tiny")
-    calls = {"n": 0}
+    state = {"poison_this_batch": True, "last_checked_was_poisoned": False}
 
     def poisoned_loss(model, batch):
-        calls["n"] += 1
         loss = base.loss_fn(model, batch)
-        return _NaNGradient.apply(loss) if mode == "send" or calls["n"] % 2 == 0 else loss
+        state["poison_this_batch"] = mode == "send" or not state["last_checked_was_poisoned"]
+        return _NaNGradient.apply(loss) if state["poison_this_batch"] else loss
 
-    if mode == "send":
-        import hivemind
+    guarded_check = SwarmOptimizer._check_and_accumulate_gradients
+    check = hivemind.Optimizer._check_and_accumulate_gradients if mode == "send" else guarded_check
 
-        from averaging.optimizer import SwarmOptimizer
+    def recording_check(self, batch_size, grad_scaler):
+        state["last_checked_was_poisoned"] = state["poison_this_batch"]
+        return check(self, batch_size, grad_scaler)
 
-        SwarmOptimizer._check_and_accumulate_gradients = hivemind.Optimizer._check_and_accumulate_gradients
+    SwarmOptimizer._check_and_accumulate_gradients = recording_check
     return dataclasses.replace(base, loss_fn=poisoned_loss)
