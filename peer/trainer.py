@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import hivemind
 import torch
@@ -207,7 +207,8 @@ class Trainer:
 
         hivemind's tracker only counts peers that have accumulated samples, so peers that start
         together would each train alone for a while. Announcing a zero-sample progress record
-        makes every waiting peer visible to the others' trackers before anyone steps.
+        makes every waiting peer visible to the others' trackers before anyone steps. The gate
+        reads the records itself: with no samples anywhere, the tracker refreshes only every 10 s.
         """
         tracker = self.optimizer.tracker
         deadline = time.monotonic() + timeout_seconds
@@ -219,10 +220,27 @@ class Trainer:
                 expiration_time=get_dht_time() + tracker.metadata_expiration,
             )
             self.on_progress()  # waiting for peers by design is not a stall
-            seen = tracker.global_progress.num_peers
-            if seen >= min_peers or self.stop or time.monotonic() >= deadline:
+            seen = len(self._progress_records())
+            if seen >= min_peers:
+                self._refresh_tracker()  # so that its first epoch counts the peers just seen
                 return seen
-            self.stop.wait(1.0)
+            if self.stop or time.monotonic() >= deadline:
+                return seen
+            self.stop.wait(0.5)
+
+    def _progress_records(self) -> List[dict]:
+        """Every peer's progress record, read from the DHT now."""
+        found = self.dht.get(self.optimizer.tracker.training_progress_key, latest=True)
+        entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
+        return [entry.value for entry in entries if isinstance(getattr(entry, "value", None), dict)]
+
+    def _refresh_tracker(self, timeout_seconds: float = 2.0) -> None:
+        """Make hivemind's tracker fetch the swarm's progress now rather than at its next scheduled fetch."""
+        tracker = self.optimizer.tracker
+        tracker.fetched_global_progress_this_epoch.clear()
+        tracker.global_progress.next_fetch_time = get_dht_time()
+        tracker.global_state_updated.set()  # wakes the fetcher, which then finds its next fetch due
+        tracker.fetched_global_progress_this_epoch.wait(timeout_seconds)
 
     def leave_in_step(self) -> None:
         """At the last epoch: make sure this peer ends with the swarm's weights, and help stragglers do so.
@@ -246,11 +264,7 @@ class Trainer:
             self.stop.wait(0.5)
 
     def _peers_behind(self) -> bool:
-        tracker = self.optimizer.tracker
-        found = self.dht.get(tracker.training_progress_key, latest=True)
-        entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
-        epochs = [entry.value["epoch"] for entry in entries if isinstance(getattr(entry, "value", None), dict)]
-        return any(epoch < self.optimizer.local_epoch for epoch in epochs)
+        return any(record["epoch"] < self.optimizer.local_epoch for record in self._progress_records())
 
     def validate(self) -> float:
         return evaluate(self.model, self.val_loader, self.task.loss_fn, self.device, self.config.training.val_batches)
