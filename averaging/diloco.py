@@ -37,13 +37,14 @@ import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.progress_tracker import ProgressTracker
-from hivemind.optim.state_averager import TrainingStateAverager
 
 from averaging.compression import make_codec
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.guards import all_finite
-from averaging.optimizer import AveragingHooks, RoundReport
+from averaging.optimizer import (
+    AveragingHooks, GuardedStateAverager, RoundReport, report_state_download, try_attempts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class DiLoCoOptimizer:
             dht=dht, prefix=run_id, target_batch_size=config.target_batch_size, client_mode=self.client_mode,
             start=True, **(tracker_opts or {}),
         )
-        self.state_averager = TrainingStateAverager(
+        self.state_averager = GuardedStateAverager(
             dht=dht,
             prefix=f"{run_id}_diloco_state",
             optimizer=optimizer_factory,
@@ -173,24 +174,21 @@ class DiLoCoOptimizer:
             elif param.grad is not None:
                 param.grad.zero_()
 
-    def load_state_from_peers(self, **kwargs) -> None:
+    def load_state_from_peers(self, **kwargs) -> bool:
         """Download round-start params, outer momentum, inner optimizer state and epoch; bounded attempts."""
         with self._phase("state_sync"), self.tracker.pause_updates():
-            for attempt in range(1, self.load_state_attempts + 1):
-                try:
-                    self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
-                    break
-                except KeyboardInterrupt:
-                    raise
-                except BaseException as e:
-                    logger.warning(f"downloading state from peers failed ({e!r}), attempt {attempt}")
+            loaded = try_attempts(
+                self.load_state_attempts,
+                lambda: self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs),
+            )
             # the sender's model was somewhere inside its round; the swarm agrees on the round start
             self._load_round_start_into_model()
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
                 self.state_averager.local_epoch = self.tracker.global_epoch
                 self._update_scheduler()
             self._start_next_round()
-        self.hooks.state_loaded(self.local_epoch)
+        report_state_download(self.hooks, loaded, self.local_epoch, self.load_state_attempts)
+        return loaded
 
     def state_dict(self) -> dict:
         state = self.inner_optimizer.state_dict()

@@ -62,6 +62,26 @@ class AveragingHooks:
     """Called with the new local epoch after state was downloaded from peers."""
 
 
+def try_attempts(attempts: int, download: Callable[[], None]) -> bool:
+    """Run a state download up to `attempts` times; True once one succeeds."""
+    for attempt in range(1, attempts + 1):
+        try:
+            download()
+            return True
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # hivemind raises many kinds; each means "try again"
+            logger.warning(f"downloading state from peers failed ({e}), attempt {attempt} of {attempts}")
+    return False
+
+
+def report_state_download(hooks: "AveragingHooks", loaded: bool, epoch: int, attempts: int) -> None:
+    if loaded:
+        hooks.state_loaded(epoch)
+    else:
+        logger.warning(f"no peer sent a usable state in {attempts} attempts; going on with this peer's own state")
+
+
 class SwarmOptimizer(hivemind.Optimizer):
     """hivemind.Optimizer with round reports, phase timing and bounded state download."""
 
@@ -198,30 +218,21 @@ class SwarmOptimizer(hivemind.Optimizer):
             return True
         return super()._should_load_state_from_peers()
 
-    def load_state_from_peers(self, **kwargs) -> None:
+    def load_state_from_peers(self, **kwargs) -> bool:
+        """Upstream's, with a bounded number of attempts instead of `while True`; True if state was loaded."""
         with self._phase("state_sync"):
-            self._load_state_from_peers_bounded(**kwargs)
-        self.hooks.state_loaded(self.local_epoch)
+            loaded = self._load_state_from_peers_bounded(**kwargs)
+        report_state_download(self.hooks, loaded, self.local_epoch, self.load_state_attempts)
+        return loaded
 
-    def _load_state_from_peers_bounded(self, **kwargs) -> None:
-        """Upstream's load_state_from_peers, but a bounded number of attempts instead of `while True`."""
+    def _load_state_from_peers_bounded(self, **kwargs) -> bool:
         if self.scheduled_grads is not None and not self.scheduled_grads.done():
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
         self.state_averager.step(wait_for_delayed_updates=True)
 
         with self.tracker.pause_updates():
-            for attempt in range(1, self.load_state_attempts + 1):
-                try:
-                    self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
-                    if self.grad_averager is not None:
-                        self.grad_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
-                    break
-                except KeyboardInterrupt:
-                    raise
-                except BaseException as e:
-                    logger.warning(f"downloading state from peers failed ({e!r}), attempt {attempt}")
-
+            loaded = try_attempts(self.load_state_attempts, lambda: self._download_state(**kwargs))
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
                 self.state_averager.local_epoch = self.tracker.global_epoch
             self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
@@ -231,14 +242,36 @@ class SwarmOptimizer(hivemind.Optimizer):
                 self.grad_averager.reset_accumulated_grads_()
                 if not self.client_mode:
                     self.grad_averager.state_sharing_priority = self.local_epoch
+        return loaded
+
+    def _download_state(self, **kwargs) -> None:
+        self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+        if self.grad_averager is not None:
+            self.grad_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
 
     def wait_for_background_updates(self) -> None:
         """Apply any in-flight background averaging, so local parameters are final (before a checkpoint)."""
         self.state_averager.step(wait_for_delayed_updates=True)
 
 
-class GuardedStateAverager(TrainingStateAverager):
-    """TrainingStateAverager that discards a parameter-averaging result holding NaN or Inf."""
+class StateDownloadFailed(RuntimeError):
+    """No peer sent a usable state."""
+
+
+class _DownloadRecorder(hivemind.DecentralizedAverager):
+    """Remembers what the last state download returned: TrainingStateAverager, which sits above this
+    class in the method order, returns None whether or not any peer sent its state."""
+
+    last_download = None
+
+    def load_state_from_peers(self, *args, **kwargs):
+        self.last_download = super().load_state_from_peers(*args, **kwargs)
+        return self.last_download
+
+
+class GuardedStateAverager(TrainingStateAverager, _DownloadRecorder):
+    """TrainingStateAverager that discards a parameter-averaging result holding NaN or Inf, and
+    whose state download raises StateDownloadFailed unless a peer's state was actually loaded."""
 
     def _apply_averaging_results_(self):
         with self.get_tensors() as averaged:
@@ -249,21 +282,24 @@ class GuardedStateAverager(TrainingStateAverager):
             return
         super()._apply_averaging_results_()
 
-    def load_state_from_peers(self, **kwargs):
-        """Upstream, but state holding NaN or Inf is rolled back instead of kept."""
+    def load_state_from_peers(self, **kwargs) -> None:
         params = [param for group in self.optimizer.param_groups for param in group["params"]]
         with torch.no_grad():
             before = [param.detach().clone() for param in params]
         epoch_before = self.local_epoch
-        result = super().load_state_from_peers(**kwargs)
+        self.last_download = None
+        super().load_state_from_peers(**kwargs)
+        if self.last_download is None:
+            raise StateDownloadFailed("no peer sent its state")
+        if self.local_epoch != self.last_download[0].get("epoch"):  # upstream refused it and logged why
+            raise StateDownloadFailed("the state a peer sent was not loaded")
         if not all_finite(params):
             logger.warning("the state downloaded from a peer holds NaN or Inf; discarded")
             with torch.no_grad():
                 for param, saved in zip(params, before):
                     param.copy_(saved)
             self.local_epoch = epoch_before
-            raise RuntimeError("downloaded state was not finite")
-        return result
+            raise StateDownloadFailed("downloaded state was not finite")
 
 
 class ReportingStateAverager(GuardedStateAverager):

@@ -74,8 +74,6 @@ class Worker:
         self.index = index
         self.log_path = log_dir / f"worker-{index}.log"
         self._log = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(common.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         cmd = [*prefix, sys.executable, "-m", "benchmarks.allreduce_worker", "--host-ip", host_ip,
                "--size-mib", str(args.size_mib), "--matchmaking-seconds", str(args.matchmaking_seconds),
                "--averaging-timeout-seconds", str(args.averaging_timeout_seconds),
@@ -83,7 +81,7 @@ class Worker:
         if initial_peer:
             cmd += ["--initial-peer", initial_peer]
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                        text=True, bufsize=1, cwd=common.REPO_ROOT, env=env, start_new_session=True)
+                                        text=True, bufsize=1, cwd=common.REPO_ROOT, env=common.child_env(), start_new_session=True)
         self.messages: "queue.Queue[dict]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -119,14 +117,7 @@ class Worker:
                 self.process.wait(timeout)
         except (OSError, ValueError, subprocess.TimeoutExpired):
             pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        common.kill_session(self.process)
         self._log.close()
 
 

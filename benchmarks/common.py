@@ -21,6 +21,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -195,3 +196,23 @@ def ensure_repo_on_path() -> None:
     root = str(REPO_ROOT)
     if root not in sys.path:
         sys.path.insert(0, root)
+
+
+def child_env(**extra: str) -> Dict[str, str]:
+    """The environment for a peer or worker subprocess: unbuffered, and able to import our packages."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def kill_session(process: subprocess.Popen, wait_seconds: float = 10.0) -> None:
+    """SIGKILL a process started with start_new_session and everything in its session (DHT, p2pd,
+    averagers, data workers), then reap it with a bounded wait."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        process.wait(wait_seconds)
+    except subprocess.TimeoutExpired:
+        pass

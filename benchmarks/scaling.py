@@ -85,12 +85,10 @@ class Peer:
         self.index = index
         self.log_path = log_dir / f"peer-{index}.log"
         self._log = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(common.REPO_ROOT), os.environ.get("PYTHONPATH")]))}
         prefix = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
         self.process = subprocess.Popen([*prefix, sys.executable, "-m", "peer", "start", *args],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        text=True, bufsize=1, cwd=log_dir, env=env, start_new_session=True)
+                                        text=True, bufsize=1, cwd=log_dir, env=common.child_env(OMP_NUM_THREADS=str(threads)), start_new_session=True)
         self.launched = time.monotonic()
         self.joined_at: Optional[float] = None
         self.join_address: Optional[str] = None
@@ -126,14 +124,7 @@ class Peer:
             code = self.process.wait(STOP_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
             code = None
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        common.kill_session(self.process)
         return code
 
 

@@ -126,10 +126,21 @@ def quiet_dht_logs(dht: Optional[hivemind.DHT], timeout_seconds: float = 5.0) ->
         logger.debug(f"could not quiet the DHT process's logs: {e!r}")
 
 
+async def _nothing(dht: hivemind.DHT, node) -> None:
+    return None
+
+
 def shutdown_dht(dht: Optional[hivemind.DHT], timeout_seconds: float = 10.0) -> None:
     """Stop the DHT process and its p2p daemon, with a bounded wait and no traceback for the user."""
     if dht is None or not dht.is_alive():
         return
+    try:
+        # Requests sent without waiting (hivemind's tracker withdraws its record that way) carry a pipe that
+        # the DHT process fetches from this one: let it receive them all before either side goes away,
+        # or it dies with an EOFError traceback. It handles requests in order, so one round trip is enough.
+        dht.run_coroutine(_nothing, return_future=True).result(timeout=timeout_seconds)
+    except Exception as e:
+        logger.debug(f"DHT flush before shutdown raised {one_line(e)}")
     try:
         dht.shutdown()
         dht.join(timeout_seconds)

@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import hivemind
 import torch
@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 
 NONFINITE_LOSS_LIMIT = 20
 """Batches in a row with a non-finite loss before the peer acts: one is noise, twenty is divergence."""
+
+
+START_SETTLE_SECONDS = 2.0
+"""Peers that wait for each other start this long after the first of them saw the quorum: enough for
+the others, polling every 0.25 s, to see it too."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -203,36 +208,44 @@ class Trainer:
             self.optimizer.load_state_from_peers()
 
     def wait_for_swarm(self, min_peers: int, timeout_seconds: float) -> int:
-        """Start gate: announce this peer and wait until the swarm's progress counts min_peers peers.
+        """Start gate: announce this peer, wait until min_peers peers are visible, then start together.
 
         hivemind's tracker only counts peers that have accumulated samples, so peers that start
         together would each train alone for a while. Announcing a zero-sample progress record
-        makes every waiting peer visible to the others' trackers before anyone steps. The gate
-        reads the records itself: with no samples anywhere, the tracker refreshes only every 10 s.
+        makes every waiting peer visible to the others before anyone steps; the gate reads these
+        records itself, since with no samples anywhere the tracker refreshes only every 10 s.
+        Peers notice the quorum at slightly different moments, and a first epoch can be shorter
+        than that: each peer publishes when it saw the quorum, and all start START_SETTLE_SECONDS
+        after the earliest of those times.
         """
         tracker = self.optimizer.tracker
+        gate_key = f"{tracker.training_progress_key}_start"
         deadline = time.monotonic() + timeout_seconds
-        while True:
-            tracker.dht.store(
-                tracker.training_progress_key,
-                subkey=tracker._local_public_key,
-                value=tracker.local_progress.dict(),
-                expiration_time=get_dht_time() + tracker.metadata_expiration,
-            )
+        seen, start_at = 0, None
+        while not self.stop and time.monotonic() < deadline:
+            expiration = get_dht_time() + tracker.metadata_expiration
+            tracker.dht.store(tracker.training_progress_key, subkey=tracker._local_public_key,
+                              value=tracker.local_progress.dict(), expiration_time=expiration)
             self.on_progress()  # waiting for peers by design is not a stall
-            seen = len(self._progress_records())
-            if seen >= min_peers:
-                self._refresh_tracker()  # so that its first epoch counts the peers just seen
-                return seen
-            if self.stop or time.monotonic() >= deadline:
-                return seen
-            self.stop.wait(0.5)
+            seen = len(self._records(tracker.training_progress_key))
+            if seen >= min_peers and start_at is None:
+                tracker.dht.store(gate_key, subkey=tracker._local_public_key, value=get_dht_time(),
+                                  expiration_time=expiration)
+                start_at = get_dht_time()
+            if start_at is not None:
+                quorum_times = [t for t in self._records(gate_key) if isinstance(t, (int, float))]
+                start_at = min([start_at, *quorum_times])
+                if get_dht_time() >= start_at + START_SETTLE_SECONDS:
+                    self._refresh_tracker()  # so that its first epoch counts the peers just seen
+                    break
+            self.stop.wait(0.25)
+        return seen
 
-    def _progress_records(self) -> List[dict]:
-        """Every peer's progress record, read from the DHT now."""
-        found = self.dht.get(self.optimizer.tracker.training_progress_key, latest=True)
+    def _records(self, key: str) -> list:
+        """The values of every peer's subkey under key, read from the DHT now."""
+        found = self.dht.get(key, latest=True)
         entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
-        return [entry.value for entry in entries if isinstance(getattr(entry, "value", None), dict)]
+        return [entry.value for entry in entries if getattr(entry, "value", None) is not None]
 
     def _refresh_tracker(self, timeout_seconds: float = 2.0) -> None:
         """Make hivemind's tracker fetch the swarm's progress now rather than at its next scheduled fetch."""
@@ -253,7 +266,8 @@ class Trainer:
         matchmaking, timeout = self.optimizer.matchmaking_time, self.optimizer.averaging_timeout
         now = time.monotonic()
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
-        if self._last_round_outcome in ("failed", "timeout") and self.optimizer.tracker.global_progress.num_peers > 1:
+        others = len(self._records(self.optimizer.tracker.training_progress_key)) > 1  # fresh: the tracker's may lag
+        if self._last_round_outcome in ("failed", "timeout") and others:
             logger.info("the last averaging round failed: downloading the swarm's final state before leaving")
             self.optimizer.load_state_from_peers()
         while not self.stop and time.monotonic() < deadline:
@@ -264,7 +278,8 @@ class Trainer:
             self.stop.wait(0.5)
 
     def _peers_behind(self) -> bool:
-        return any(record["epoch"] < self.optimizer.local_epoch for record in self._progress_records())
+        records = self._records(self.optimizer.tracker.training_progress_key)
+        return any(isinstance(record, dict) and record["epoch"] < self.optimizer.local_epoch for record in records)
 
     def validate(self) -> float:
         return evaluate(self.model, self.val_loader, self.task.loss_fn, self.device, self.config.training.val_batches)

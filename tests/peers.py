@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ from typing import Callable, Dict, List, Optional
 
 import psutil
 import torch
+
+from benchmarks.common import child_env, kill_session
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 JOIN_LINE = re.compile(r"--initial-peers (\S+)")
@@ -47,15 +48,13 @@ class PeerProcess:
     def __init__(self, log_path: Path, args: List[str], env: Optional[Dict[str, str]] = None):
         self.log_path = log_path
         self._log = open(log_path, "w")
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "peer", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=log_path.parent,
-            env=full_env,
+            env=child_env(**(env or {})),
             start_new_session=True,
         )
         self.pid = self.process.pid
@@ -91,14 +90,7 @@ class PeerProcess:
 
     def kill_everything(self) -> None:
         """Last resort: kill the whole session (the peer and everything it started)."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        kill_session(self.process)
         self._log.close()
 
 

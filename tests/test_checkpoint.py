@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.common import child_env
 from peer import checkpoint as checkpoint_module
 from peer.checkpoint import HEADER_SIZE_BYTES, CheckpointError, CheckpointStore
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_SECONDS = 120
 
 
@@ -245,11 +245,9 @@ KILLED_WRITER = textwrap.dedent(
 
 def test_writer_killed_before_rename_leaves_previous_checkpoint(tmp_path):
     CheckpointStore(tmp_path).save(small_state(1), global_epoch=1)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-
     result = subprocess.run(
         [sys.executable, "-c", KILLED_WRITER, str(tmp_path)],
-        env=env,
+        env=child_env(),
         capture_output=True,
         timeout=CHILD_TIMEOUT_SECONDS,
     )
