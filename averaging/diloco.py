@@ -31,9 +31,8 @@ import logging
 import threading
 import time
 from contextlib import nullcontext
-from typing import Callable, ContextManager, List, Optional, Sequence, Tuple
+from typing import ContextManager, List, Optional, Sequence, Tuple
 
-import hivemind
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.progress_tracker import ProgressTracker
@@ -43,7 +42,7 @@ from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.guards import all_finite
 from averaging.optimizer import (
-    AveragingHooks, GuardedStateAverager, RoundReport, report_state_download, try_attempts,
+    GuardedStateAverager, Replica, RoundReport, report_state_download, try_attempts,
 )
 
 logger = logging.getLogger(__name__)
@@ -66,15 +65,8 @@ class DiLoCoOptimizer:
     def __init__(
         self,
         config: AveragingConfig,
+        replica: Replica,
         *,
-        dht: hivemind.DHT,
-        run_id: str,
-        params,
-        optimizer_factory: Callable,
-        scheduler_factory: Optional[Callable],
-        batch_size: int,
-        client_mode: Optional[bool],
-        hooks: Optional[AveragingHooks] = None,
         deadlines: Optional[AdaptiveDeadlines] = None,
         tracker_opts: Optional[dict] = None,
         averager_opts: Optional[dict] = None,
@@ -82,16 +74,16 @@ class DiLoCoOptimizer:
         allreduce_timeout: float = 60.0,
         load_state_attempts: int = 3,
     ):
-        self.config, self.dht, self.run_id = config, dht, run_id
-        self.hooks = hooks or AveragingHooks()
-        self.client_mode = dht.client_mode if client_mode is None else client_mode
-        self.batch_size, self.target_batch_size = batch_size, config.target_batch_size
+        dht, run_id = replica.dht, replica.run_id
+        self.config, self.dht, self.run_id, self.hooks = config, dht, run_id, replica.hooks
+        self.client_mode = dht.client_mode if replica.client_mode is None else replica.client_mode
+        self.batch_size, self.target_batch_size = replica.batch_size, config.target_batch_size
         self.load_state_timeout, self.load_state_attempts = config.load_state_timeout_seconds, load_state_attempts
         self.deadlines = deadlines or AdaptiveDeadlines(
             matchmaking_seconds=matchmaking_floor, averaging_timeout_seconds=allreduce_timeout
         )
         self._training_thread = threading.current_thread()
-        self.main_parameters: List[torch.Tensor] = [p for p in params]
+        self.main_parameters: List[torch.Tensor] = list(replica.params)
         codec_args = (config.adaptive_compression_threshold, config.adaptive_large_codec)
         averager_opts = dict(averager_opts or {})
 
@@ -106,9 +98,9 @@ class DiLoCoOptimizer:
         self.state_averager = GuardedStateAverager(
             dht=dht,
             prefix=f"{run_id}_diloco_state",
-            optimizer=optimizer_factory,
+            optimizer=replica.optimizer_factory,
             params=self.main_parameters,
-            scheduler=scheduler_factory,
+            scheduler=replica.scheduler_factory,
             extra_tensors=self.global_params + self.outer_momentum,
             min_matchmaking_time=matchmaking_floor,
             allreduce_timeout=allreduce_timeout,

@@ -22,9 +22,9 @@ import logging
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Iterable, Optional
 
 import hivemind
 import torch
@@ -60,6 +60,21 @@ class AveragingHooks:
     round_finished: Callable[[RoundReport], None] = lambda report: None
     state_loaded: Callable[[int], None] = lambda epoch: None
     """Called with the new local epoch after state was downloaded from peers."""
+
+
+@dataclass
+class Replica:
+    """What an optimizer of any strategy is built for: this peer's model and the swarm it trains with."""
+
+    dht: hivemind.DHT
+    run_id: str
+    params: Iterable[torch.Tensor]
+    optimizer_factory: Callable
+    scheduler_factory: Optional[Callable] = None
+    batch_size: int = 1
+    client_mode: Optional[bool] = None
+    """None: the DHT's mode."""
+    hooks: AveragingHooks = field(default_factory=AveragingHooks)
 
 
 def try_attempts(attempts: int, download: Callable[[], None]) -> bool:
@@ -341,18 +356,7 @@ class ReportingStateAverager(GuardedStateAverager):
         self._hooks.round_finished(report)
 
 
-def build_swarm_optimizer(
-    config: AveragingConfig,
-    *,
-    dht: hivemind.DHT,
-    run_id: str,
-    params,
-    optimizer_factory: Callable,
-    scheduler_factory: Optional[Callable],
-    batch_size: int,
-    client_mode: bool,
-    hooks: Optional[AveragingHooks] = None,
-):
+def build_swarm_optimizer(config: AveragingConfig, replica: Replica):
     """The optimizer of config.strategy; every one offers the interface the training loop uses."""
     deadlines = AdaptiveDeadlines(
         matchmaking_seconds=config.seconds("matchmaking_seconds"),
@@ -364,16 +368,6 @@ def build_swarm_optimizer(
     matchmaking_floor = config.seconds("matchmaking_seconds") or config.matchmaking_seconds_min
     allreduce_timeout = config.seconds("averaging_timeout_seconds") or config.averaging_timeout_seconds_max
     longest_matchmaking = config.seconds("matchmaking_seconds") or config.matchmaking_seconds_max
-    common = dict(
-        dht=dht,
-        run_id=run_id,
-        params=params,
-        optimizer_factory=optimizer_factory,
-        scheduler_factory=scheduler_factory,
-        batch_size=batch_size,
-        client_mode=client_mode,
-        hooks=hooks,
-    )
     # a peer that died stops counting toward the swarm's progress after this long (upstream: 60 s)
     tracker_opts = dict(metadata_expiration=max(15.0, 3 * longest_matchmaking))
     # hivemind warns (and can deadlock) when a request may outlive the matchmaking window
@@ -382,8 +376,8 @@ def build_swarm_optimizer(
         from averaging.diloco import DiLoCoOptimizer  # imported here: it imports this module
 
         return DiLoCoOptimizer(
-            config, deadlines=deadlines, tracker_opts=tracker_opts, averager_opts=averager_opts,
-            matchmaking_floor=matchmaking_floor, allreduce_timeout=allreduce_timeout, **common,
+            config, replica, deadlines=deadlines, tracker_opts=tracker_opts, averager_opts=averager_opts,
+            matchmaking_floor=matchmaking_floor, allreduce_timeout=allreduce_timeout,
         )
 
     strategy_args = {}
@@ -394,16 +388,16 @@ def build_swarm_optimizer(
     if config.average_opt_statistics and config.strategy != "local-sgd":
         strategy_args["average_opt_statistics"] = tuple(config.average_opt_statistics)
     return SwarmOptimizer(
-        hooks=hooks,
+        hooks=replica.hooks,
         deadlines=deadlines,
         report_state_rounds=config.strategy == "local-sgd",
-        dht=dht,
-        run_id=run_id,
-        params=params,
-        optimizer=optimizer_factory,
-        scheduler=scheduler_factory,
+        dht=replica.dht,
+        run_id=replica.run_id,
+        params=replica.params,
+        optimizer=replica.optimizer_factory,
+        scheduler=replica.scheduler_factory,
         target_batch_size=config.target_batch_size,
-        batch_size_per_step=batch_size,
+        batch_size_per_step=replica.batch_size,
         matchmaking_time=matchmaking_floor,
         averaging_timeout=allreduce_timeout,
         load_state_timeout=config.load_state_timeout_seconds,
@@ -411,7 +405,7 @@ def build_swarm_optimizer(
         offload_optimizer=config.offload_optimizer,
         delay_optimizer_step=config.delay_updates,
         delay_grad_averaging=config.delay_updates,
-        client_mode=client_mode,
+        client_mode=replica.client_mode,
         tracker_opts=tracker_opts,
         averager_opts=averager_opts,
         verbose=False,

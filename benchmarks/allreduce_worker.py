@@ -71,7 +71,7 @@ class Peer:
 
         import hivemind
         from averaging.config import AveragingConfig
-        from averaging.optimizer import build_swarm_optimizer
+        from averaging.optimizer import Replica, build_swarm_optimizer
         from dht.config import DHTConfig
         from dht.node import start_dht
 
@@ -93,11 +93,10 @@ class Peer:
             target_batch_size=10**9, matchmaking_seconds=args.matchmaking_seconds,
             averaging_timeout_seconds=args.averaging_timeout_seconds, grad_compression=args.grad_compression,
         )
-        self.optimizer = build_swarm_optimizer(
-            self.config, dht=self.dht, run_id=f"{args.run_id}_ours", params=[self.param],
-            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.0), scheduler_factory=None,
-            batch_size=1, client_mode=False,
-        )
+        self.optimizer = build_swarm_optimizer(self.config, Replica(
+            dht=self.dht, run_id=f"{args.run_id}_ours", params=[self.param],
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.0), client_mode=False,
+        ))
         self.ours = self.optimizer.grad_averager
         self.param.grad = torch.randn(numel, generator=generator)
         reply(event="built", bare=describe_averager(self.bare), ours=describe_averager(self.ours),

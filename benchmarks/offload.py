@@ -63,7 +63,7 @@ def child(args) -> int:
     import torch
 
     from averaging.config import AveragingConfig
-    from averaging.optimizer import build_swarm_optimizer
+    from averaging.optimizer import Replica, build_swarm_optimizer
     from dht.config import DHTConfig
     from dht.node import shutdown_dht, start_dht
     from peer.tasks.bytelm import ByteTransformer, VOCAB_SIZE
@@ -78,11 +78,11 @@ def child(args) -> int:
     dht = start_dht(DHTConfig(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
     optimizer = None
     try:
-        optimizer = build_swarm_optimizer(
-            config, dht=dht, run_id=f"bench-offload-{os.getpid()}", params=model.parameters(),
-            optimizer_factory=lambda params: torch.optim.AdamW(params, lr=1e-4), scheduler_factory=None,
-            batch_size=args.batch_size, client_mode=False,
-        )
+        optimizer = build_swarm_optimizer(config, Replica(
+            dht=dht, run_id=f"bench-offload-{os.getpid()}", params=model.parameters(),
+            optimizer_factory=lambda params: torch.optim.AdamW(params, lr=1e-4), batch_size=args.batch_size,
+            client_mode=False,
+        ))
         generator = torch.Generator().manual_seed(0)
         synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         if device.type == "cuda":

@@ -9,9 +9,9 @@ writes a file (a missing identity file is created by dht.node.start_dht).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MULTIADDR_EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3..."
 
@@ -112,29 +112,12 @@ class DHTConfig(BaseModel):
             check_multiaddr(maddr)
         return value
 
-    @field_validator("initial_peers_file")
+    @field_validator("initial_peers_file", "identity", "swarm_key")
     @classmethod
-    def _readable_peers_file(cls, value: Optional[Path]) -> Optional[Path]:
+    def _usable_file(cls, value: Optional[Path], info: ValidationInfo) -> Optional[Path]:
+        # each check raises a ValueError (IdentityError, SwarmKeyError, ...): reported with the other problems
         if value is not None:
-            read_initial_peers_file(value)
-        return value
-
-    @field_validator("identity")
-    @classmethod
-    def _usable_identity(cls, value: Optional[Path]) -> Optional[Path]:
-        if value is not None:
-            from dht.identity import check_identity_path
-
-            check_identity_path(value)  # IdentityError is a ValueError: reported with the other problems
-        return value
-
-    @field_validator("swarm_key")
-    @classmethod
-    def _usable_swarm_key(cls, value: Optional[Path]) -> Optional[Path]:
-        if value is not None:
-            from dht.swarm_key import read_swarm_key
-
-            read_swarm_key(value)  # SwarmKeyError is a ValueError: reported with the other problems
+            _file_check(info.field_name)(value)
         return value
 
     @model_validator(mode="after")
@@ -144,3 +127,16 @@ class DHTConfig(BaseModel):
             return self
         merged = list(dict.fromkeys([*self.initial_peers, *read_initial_peers_file(self.initial_peers_file)]))
         return self.model_copy(update={"initial_peers": merged})
+
+
+def _file_check(field: str) -> Callable[[Path], object]:
+    """How a file named by `field` is checked at load; imported on use, as the checks pull in hivemind."""
+    if field == "identity":
+        from dht.identity import check_identity_path
+
+        return check_identity_path
+    if field == "swarm_key":
+        from dht.swarm_key import read_swarm_key
+
+        return read_swarm_key
+    return read_initial_peers_file

@@ -19,7 +19,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from averaging.compression import round_payload_bytes
-from averaging.optimizer import AveragingHooks, RoundReport, build_swarm_optimizer
+from averaging.optimizer import AveragingHooks, Replica, RoundReport, build_swarm_optimizer
 from dht.swarm_key import training_namespace
 from monitoring import PhaseTimer
 from peer.checkpoint import CheckpointStore
@@ -110,15 +110,17 @@ class Trainer:
         self._restore_model()
         self.optimizer = build_swarm_optimizer(
             config.averaging,
-            dht=dht,
-            run_id=training_namespace(config.training.run_id, config.dht.swarm_key),
-            params=self.model.parameters(),
-            optimizer_factory=task.build_optimizer,
-            scheduler_factory=task.build_scheduler,
-            batch_size=self.batch_size,
-            client_mode=config.dht.client_mode,
-            hooks=AveragingHooks(
-                phase=timer.phase, round_finished=self._on_round, state_loaded=self._on_state_loaded
+            Replica(
+                dht=dht,
+                run_id=training_namespace(config.training.run_id, config.dht.swarm_key),
+                params=self.model.parameters(),
+                optimizer_factory=task.build_optimizer,
+                scheduler_factory=task.build_scheduler,
+                batch_size=self.batch_size,
+                client_mode=config.dht.client_mode,
+                hooks=AveragingHooks(
+                    phase=timer.phase, round_finished=self._on_round, state_loaded=self._on_state_loaded
+                ),
             ),
         )
         self._restore_optimizer()
@@ -231,13 +233,13 @@ class Trainer:
             if seen >= min_peers and start_at is None:
                 tracker.dht.store(gate_key, subkey=tracker._local_public_key, value=get_dht_time(),
                                   expiration_time=expiration)
-                start_at = get_dht_time()
+                start_at, quorum = get_dht_time(), seen
             if start_at is not None:
                 quorum_times = [t for t in self._records(gate_key) if isinstance(t, (int, float))]
                 start_at = min([start_at, *quorum_times])
                 if get_dht_time() >= start_at + START_SETTLE_SECONDS:
                     self._refresh_tracker()  # so that its first epoch counts the peers just seen
-                    break
+                    return quorum  # passed, even if a peer left meanwhile: swarms handle departures
             self.stop.wait(0.25)
         return seen
 

@@ -1,8 +1,9 @@
-"""DiLoCo's outer step and ZeRO-Offload placement, with real hivemind DHTs inside this process."""
+"""DiLoCo's outer step, ZeRO-Offload placement and state downloads, with real hivemind DHTs in this process."""
 from __future__ import annotations
 
+import logging
 import threading
-from typing import List
+from typing import List, Optional
 
 import hivemind
 import pytest
@@ -12,7 +13,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from averaging.config import AveragingConfig
 from averaging.diloco import DiLoCoOptimizer, outer_nesterov_step_
-from averaging.optimizer import AveragingHooks, build_swarm_optimizer
+from averaging.optimizer import AveragingHooks, Replica, build_swarm_optimizer
 from tests.peers import wait_until
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
@@ -32,11 +33,12 @@ def announce(optimizer) -> None:
                       value=tracker.local_progress.dict(), expiration_time=get_dht_time() + 30)
 
 
-def make_diloco(config, dht, model, hooks=None) -> DiLoCoOptimizer:
+def make_diloco(config, dht, model, hooks: Optional[AveragingHooks] = None) -> DiLoCoOptimizer:
     return DiLoCoOptimizer(
-        config, dht=dht, run_id="diloco_math", params=model.parameters(),
-        optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.0),  # inner steps change nothing
-        scheduler_factory=None, batch_size=4, client_mode=False, hooks=hooks,
+        config,
+        Replica(dht=dht, run_id="diloco_math", params=model.parameters(),
+                optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.0),  # inner steps change nothing
+                batch_size=4, client_mode=False, hooks=hooks or AveragingHooks()),
         # progress records are keyed by a signing key that is process-wide by default: one per peer here
         tracker_opts=dict(private_key=RSAPrivateKey(), metadata_expiration=30.0),
         averager_opts=dict(request_timeout=0.5), matchmaking_floor=1.0, allreduce_timeout=20.0,
@@ -149,11 +151,10 @@ def test_offloaded_optimizer_state_is_in_host_memory_and_updates_reach_the_model
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
         config = AveragingConfig(target_batch_size=8, matchmaking_seconds=1.0, averaging_timeout_seconds=10.0,
                                  offload_optimizer=True, delay_updates=delay)
-        optimizer = build_swarm_optimizer(
-            config, dht=dht, run_id="offload", params=model.parameters(),
-            optimizer_factory=lambda params: torch.optim.Adam(params, lr=0.05),
-            scheduler_factory=None, batch_size=8, client_mode=False,
-        )
+        optimizer = build_swarm_optimizer(config, Replica(
+            dht=dht, run_id="offload", params=model.parameters(),
+            optimizer_factory=lambda params: torch.optim.Adam(params, lr=0.05), batch_size=8, client_mode=False,
+        ))
         inner = optimizer.state_averager.optimizer
         model_params = list(model.parameters())
         offloaded = [p for group in inner.param_groups for p in group["params"]]
@@ -179,6 +180,35 @@ def test_offloaded_optimizer_state_is_in_host_memory_and_updates_reach_the_model
         assert optimizer.local_epoch >= 10
         assert any(not torch.equal(b, p.detach()) for b, p in zip(before, model_params))
         assert losses[-1] < losses[0]
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+def test_a_state_download_that_gets_nothing_is_a_failure_not_a_success(strategy: str, caplog):
+    """hivemind's state averager returns None whether or not a peer sent state: alone, it must not pass."""
+    dht = hivemind.DHT(start=True, host_maddrs=LOCALHOST)
+    optimizer = None
+    loaded_epochs: List[int] = []
+    try:
+        model = torch.nn.Linear(4, 1)
+        before = [p.detach().clone() for p in model.parameters()]
+        config = AveragingConfig(strategy=strategy, target_batch_size=8, matchmaking_seconds=1.0,
+                                 averaging_timeout_seconds=5.0, load_state_timeout_seconds=5.0)
+        optimizer = build_swarm_optimizer(config, Replica(
+            dht=dht, run_id=f"alone_{strategy}", params=model.parameters(),
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=4, client_mode=False,
+            hooks=AveragingHooks(state_loaded=loaded_epochs.append),
+        ))
+        with caplog.at_level(logging.WARNING):
+            assert optimizer.load_state_from_peers() is False
+        assert loaded_epochs == []  # nobody is told that state arrived
+        assert "no peer sent a usable state in 3 attempts" in caplog.text
+        assert caplog.text.count("attempt ") == 3
+        assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
     finally:
         if optimizer is not None:
             optimizer.shutdown()

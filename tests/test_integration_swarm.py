@@ -46,7 +46,7 @@ def test_three_peers_train_in_lock_step(spawn, tmp_path: Path):
 
 @pytest.mark.timeout(300)
 def test_late_joiner_downloads_state_then_restart_resumes_from_checkpoint(spawn, tmp_path: Path):
-    epochs = 26
+    epochs = 20
     common = [*FAST_SWARM_ARGS, "--target-batch-size", "32", "--max-epochs", str(epochs), "--checkpoint-every-epochs", "1"]
 
     def start(name: str, *extra: str):

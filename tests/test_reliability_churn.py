@@ -32,7 +32,7 @@ def swarm_args(tmp_path: Path, name: str, *extra: str) -> list:
 
 @pytest.mark.timeout(300)
 def test_peer_killed_mid_round_survivors_go_on_and_it_catches_up_after_restart(spawn, tmp_path: Path):
-    epochs = 22
+    epochs = 19
     first = spawn("p0", *swarm_args(tmp_path, "p0", "--min-peers", "4", "--max-epochs", str(epochs)))
     address = first.join_address()
     others = [spawn(f"p{i}", *swarm_args(tmp_path, f"p{i}", "--min-peers", "4", "--max-epochs", str(epochs),
