@@ -35,20 +35,3 @@ def pytest_addoption(parser) -> None:
 def soak_seconds(request) -> float:
     return request.config.getoption("--soak-seconds")
 
-
-# Swarms of three or more peers: run one at a time (on one xdist worker), so that two of them never
-# share the machine's cores; everything else spreads over the other worker.
-CROWDED_SWARMS = {
-    "test_churn_soak",
-    "test_peer_killed_mid_round_survivors_go_on_and_it_catches_up_after_restart",
-    "test_three_peers_train_in_lock_step",
-    "test_late_joiner_downloads_state_then_restart_resumes_from_checkpoint",
-    "test_nan_gradients_are_dropped_or_discarded_and_training_goes_on",
-    "test_peer_with_wrong_key_cannot_join_a_round",
-}
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        if item.originalname in CROWDED_SWARMS:
-            item.add_marker(pytest.mark.xdist_group("crowded-swarms"))

@@ -100,6 +100,8 @@ def test_churn_soak(spawn, tmp_path: Path, soak_seconds: float):
 
     assert epoch_marks[-1] > epoch_marks[0] + 5, epoch_marks
     survivors_rss = {name: psutil.Process(p.pid).memory_info().rss for name, p in alive.items() if name in rss_start}
+    # a peer restarted a moment ago may still be importing torch, before its SIGTERM handler exists
+    wait_until(lambda: all("config: " in p.log() for p in alive.values()), 60, message="every peer to be up")
     for peer in alive.values():
         peer.send(signal.SIGTERM)
     for name, peer in alive.items():
