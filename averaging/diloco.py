@@ -42,7 +42,7 @@ from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.guards import all_finite
 from averaging.optimizer import (
-    GuardedStateAverager, Replica, RoundReport, report_state_download, try_attempts,
+    GuardedStateAverager, Replica, RoundReport, report_state_download, retune_deadlines, try_attempts,
 )
 
 logger = logging.getLogger(__name__)
@@ -313,17 +313,8 @@ class DiLoCoOptimizer:
         self.grad_averager.matchmaking_kwargs["min_matchmaking_time"] = deadlines.matchmaking_seconds
 
     def _update_deadlines(self) -> None:
-        if not self.deadlines.auto:
-            return
-        progress = self.tracker.global_progress
-        self.deadlines.observe_swarm(
-            self.tracker.performance_ema.samples_per_second * max(1, progress.num_peers), self.target_batch_size
-        )
-        before, after = self.deadlines.current, self.deadlines.update()
-        if after != before:
-            logger.info(f"adaptive deadlines: matchmaking {after.matchmaking_seconds:.1f}s, "
-                        f"averaging timeout {after.averaging_timeout_seconds:.1f}s")
-        self._apply_deadlines(after)
+        if self.deadlines.auto:
+            self._apply_deadlines(retune_deadlines(self.deadlines, self.tracker, self.target_batch_size))
 
     def _phase(self, name: str) -> ContextManager:
         if threading.current_thread() is self._training_thread:

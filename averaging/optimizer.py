@@ -90,6 +90,17 @@ def try_attempts(attempts: int, download: Callable[[], None]) -> bool:
     return False
 
 
+def retune_deadlines(deadlines: AdaptiveDeadlines, tracker, target_batch_size: int) -> Deadlines:
+    """After an epoch: feed the swarm's accumulation rate to the adaptive deadlines; log and return the new ones."""
+    progress = tracker.global_progress
+    deadlines.observe_swarm(tracker.performance_ema.samples_per_second * max(1, progress.num_peers), target_batch_size)
+    before, after = deadlines.current, deadlines.update()
+    if after != before:
+        logger.info(f"adaptive deadlines: matchmaking {after.matchmaking_seconds:.1f}s, "
+                    f"averaging timeout {after.averaging_timeout_seconds:.1f}s")
+    return after
+
+
 def report_state_download(hooks: "AveragingHooks", loaded: bool, epoch: int, attempts: int) -> None:
     if loaded:
         hooks.state_loaded(epoch)
@@ -163,19 +174,8 @@ class SwarmOptimizer(hivemind.Optimizer):
 
     def _update_global_epoch(self, grad_scaler) -> None:
         super()._update_global_epoch(grad_scaler)
-        if self.deadlines is None or not self.deadlines.auto:
-            return
-        progress = self.tracker.global_progress
-        self.deadlines.observe_swarm(
-            self.tracker.performance_ema.samples_per_second * max(1, progress.num_peers), self.target_batch_size
-        )
-        before, after = self.deadlines.current, self.deadlines.update()
-        if after != before:
-            logger.info(
-                f"adaptive deadlines: matchmaking {after.matchmaking_seconds:.1f}s, "
-                f"averaging timeout {after.averaging_timeout_seconds:.1f}s"
-            )
-        self._apply_deadlines(after)
+        if self.deadlines is not None and self.deadlines.auto:
+            self._apply_deadlines(retune_deadlines(self.deadlines, self.tracker, self.target_batch_size))
 
     def _phase(self, name: str) -> ContextManager:
         # delayed averaging runs in hivemind's background threads: time only what blocks training
