@@ -12,7 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import hivemind
 import torch
@@ -25,6 +25,9 @@ from monitoring import PhaseTimer
 from peer.checkpoint import CheckpointStore
 from peer.config import PeerConfig
 from peer.data import endless, evaluate, make_loader, move_to
+from peer.leaving import (
+    DONE, DOWNLOADING, LEAVING_KEY_SUFFIX, Need, has_final_state_elsewhere, leave_record, needs_of_others,
+)
 from peer.progress import ProgressDisplay
 from peer.signals import StopRequest
 from peer.summary import PeerSummary
@@ -235,7 +238,7 @@ class Trainer:
                                   expiration_time=expiration)
                 start_at, quorum = get_dht_time(), seen
             if start_at is not None:
-                quorum_times = [t for t in self._records(gate_key) if isinstance(t, (int, float))]
+                quorum_times = [t for t in self._records(gate_key).values() if isinstance(t, (int, float))]
                 start_at = min([start_at, *quorum_times])
                 if get_dht_time() >= start_at + START_SETTLE_SECONDS:
                     self._refresh_tracker()  # so that its first epoch counts the peers just seen
@@ -243,11 +246,11 @@ class Trainer:
             self.stop.wait(0.25)
         return seen
 
-    def _records(self, key: str) -> list:
-        """The values of every peer's subkey under key, read from the DHT now."""
+    def _records(self, key: str) -> Dict[bytes, object]:
+        """Every peer's value under key, by subkey (its owner), read from the DHT now."""
         found = self.dht.get(key, latest=True)
-        entries = found.value.values() if found is not None and isinstance(found.value, dict) else []
-        return [entry.value for entry in entries if getattr(entry, "value", None) is not None]
+        entries = found.value.items() if found is not None and isinstance(found.value, dict) else []
+        return {owner: entry.value for owner, entry in entries if getattr(entry, "value", None) is not None}
 
     def _refresh_tracker(self, timeout_seconds: float = 2.0) -> None:
         """Make hivemind's tracker fetch the swarm's progress now rather than at its next scheduled fetch."""
@@ -258,30 +261,43 @@ class Trainer:
         tracker.fetched_global_progress_this_epoch.wait(timeout_seconds)
 
     def leave_in_step(self) -> None:
-        """At the last epoch: make sure this peer ends with the swarm's weights, and help stragglers do so.
+        """At the last epoch: end with the swarm's weights, and stay while a straggler may need ours.
 
-        A peer whose last round failed while others exist downloads their state before leaving.
-        Then it stays reachable for one matchmaking window and while a peer is behind it. A
-        straggler that catches up by failing its round comes back for the state one averaging
-        timeout later, so after seeing one, this peer waits that long again before it leaves.
+        A peer whose last round failed downloads the final state from a peer that has it, if any.
+        Then it stays for one matchmaking window, and while peer.leaving says another peer needs
+        it, for at most three averaging timeouts: a peer that died behind must not keep it forever.
         """
+        tracker = self.optimizer.tracker
         matchmaking, timeout = self.optimizer.matchmaking_time, self.optimizer.averaging_timeout
+        epoch, me = self.optimizer.local_epoch, tracker._local_public_key
         now = time.monotonic()
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
-        others = len(self._records(self.optimizer.tracker.training_progress_key)) > 1  # fresh: the tracker's may lag
-        if self._last_round_outcome in ("failed", "timeout") and others:
+        progress = self._records(tracker.training_progress_key)  # fresh: the tracker's view may lag
+        if self._last_round_outcome in ("failed", "timeout") and has_final_state_elsewhere(epoch, progress, me):
+            self._announce_leaving(leave_record(epoch, DOWNLOADING))
             logger.info("the last averaging round failed: downloading the swarm's final state before leaving")
             self.optimizer.load_state_from_peers()
+        self._announce_leaving(leave_record(epoch, DONE))
+        silent_since: Dict[bytes, float] = {}
         while not self.stop and time.monotonic() < deadline:
-            if self._peers_behind():
-                stay_until = time.monotonic() + timeout + matchmaking
-            elif time.monotonic() >= stay_until:
+            needs = needs_of_others(epoch, self._records(tracker.training_progress_key),
+                                    self._records(tracker.training_progress_key + LEAVING_KEY_SUFFIX), me)
+            now = time.monotonic()
+            for owner in needs:
+                if needs[owner] is Need.GRACE:
+                    silent_since.setdefault(owner, now)
+            waiting = now < stay_until or any(
+                need is Need.SERVE or (need is Need.GRACE and now < silent_since[owner] + timeout + matchmaking)
+                for owner, need in needs.items()
+            )
+            if not waiting:
                 return
             self.stop.wait(0.5)
 
-    def _peers_behind(self) -> bool:
-        records = self._records(self.optimizer.tracker.training_progress_key)
-        return any(isinstance(record, dict) and record["epoch"] < self.optimizer.local_epoch for record in records)
+    def _announce_leaving(self, record: dict) -> None:
+        tracker = self.optimizer.tracker
+        tracker.dht.store(tracker.training_progress_key + LEAVING_KEY_SUFFIX, subkey=tracker._local_public_key,
+                          value=record, expiration_time=get_dht_time() + tracker.metadata_expiration)
 
     def validate(self) -> float:
         return evaluate(self.model, self.val_loader, self.task.loss_fn, self.device, self.config.training.val_batches)

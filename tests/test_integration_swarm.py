@@ -44,6 +44,34 @@ def test_three_peers_train_in_lock_step(spawn, tmp_path: Path):
     assert max_parameter_difference(states[0], states[2]) <= 1e-5
 
 
+@pytest.mark.timeout(150)
+def test_a_peer_that_finishes_first_stays_until_a_straggler_has_the_final_state(spawn, tmp_path: Path):
+    """The straggler stalls after epoch 2 for longer than the averaging timeout, so it misses the last round:
+    the first peer ends that round alone, must stay while the straggler is behind, and serve it the final state."""
+    epochs, timeout = 3, 5
+
+    def start(name: str, *extra: str, env=None):
+        return spawn(name, "start", *FAST_SWARM_ARGS, "--min-peers", "2", "--target-batch-size", "32",
+                     "--max-epochs", str(epochs), "--averaging-timeout-seconds", str(timeout),
+                     "--checkpoint-dir", str(tmp_path / name), "--summary-json", str(tmp_path / f"{name}.json"),
+                     *extra, env=env)
+
+    first = start("a")
+    straggler = start("b", "--initial-peers", first.join_address(), "--task", "tests.tasks_for_tests:make_straggler_task",
+                      env={"STRAGGLE_AFTER_EPOCH": str(epochs - 1), "STRAGGLE_SECONDS": str(timeout + 4)})
+    for peer in (first, straggler):
+        assert peer.wait(90) == 0, peer.log()[-4000:]
+
+    ended_alone = read_summary(tmp_path / "a.json")
+    assert ended_alone["averaging_rounds"].get("failed", 0) + ended_alone["averaging_rounds"].get("timeout", 0) >= 1
+    # nobody else had reached the last epoch: its own state is the final one, with nothing to download
+    assert "downloading the swarm's final state" not in first.log()
+    caught_up = read_summary(tmp_path / "b.json")
+    assert caught_up["global_epoch"] == epochs and caught_up["exit_reason"] == "max_epochs"
+    assert caught_up["state_downloads"] >= 1, caught_up
+    assert max_parameter_difference(load_model_state(tmp_path / "a"), load_model_state(tmp_path / "b")) <= 1e-5
+
+
 @pytest.mark.timeout(300)
 def test_late_joiner_downloads_state_then_restart_resumes_from_checkpoint(spawn, tmp_path: Path):
     epochs = 20
