@@ -372,6 +372,11 @@ def build_swarm_optimizer(config: AveragingConfig, replica: Replica):
     tracker_opts = dict(metadata_expiration=max(15.0, 3 * longest_matchmaking))
     # hivemind warns (and can deadlock) when a request may outlive the matchmaking window
     averager_opts = dict(request_timeout=min(3.0, matchmaking_floor / 2))
+    # upstream waits one matchmaking window for a peer's next chunk, then averages without it: a peer on a
+    # busy CPU then silently keeps its own values for part of the model and drifts from the swarm (seen:
+    # "received 75% of input tensors" with a 1 s window). A quarter of the round's timeout still drops a
+    # stalled peer well within the round.
+    next_chunk_timeout = max(matchmaking_floor, allreduce_timeout / 4)
     if config.strategy == "diloco":
         from averaging.diloco import DiLoCoOptimizer  # imported here: it imports this module
 
@@ -400,6 +405,7 @@ def build_swarm_optimizer(config: AveragingConfig, replica: Replica):
         batch_size_per_step=replica.batch_size,
         matchmaking_time=matchmaking_floor,
         averaging_timeout=allreduce_timeout,
+        next_chunk_timeout=next_chunk_timeout,
         load_state_timeout=config.load_state_timeout_seconds,
         average_state_every=config.average_state_every,
         offload_optimizer=config.offload_optimizer,

@@ -213,3 +213,23 @@ def test_a_state_download_that_gets_nothing_is_a_failure_not_a_success(strategy:
         if optimizer is not None:
             optimizer.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_peer_gets_a_quarter_of_the_round_timeout_per_chunk_not_one_matchmaking_window():
+    """Upstream drops a peer whose next chunk takes longer than the matchmaking window (here 1 s) and
+    averages without it, so a peer on a loaded CPU keeps its own values for part of the model."""
+    dht = hivemind.DHT(start=True, host_maddrs=LOCALHOST)
+    optimizer = None
+    try:
+        config = AveragingConfig(target_batch_size=8, matchmaking_seconds=1.0, averaging_timeout_seconds=10.0)
+        optimizer = build_swarm_optimizer(config, Replica(
+            dht=dht, run_id="chunks", params=torch.nn.Linear(4, 1).parameters(),
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=4, client_mode=False,
+        ))
+        for averager in (optimizer.grad_averager, optimizer.state_averager):
+            assert averager.next_chunk_timeout == 2.5
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
