@@ -1,8 +1,8 @@
 """Leaving at --max-epochs without stranding a straggler.
 
 A peer whose last averaging round failed still advances its epoch, and then downloads the
-swarm's final state before it leaves, if another peer has it. It needs a peer to download from, so a peer that
-finishes stays while another may still need it:
+swarm's final state before it leaves, if another peer has it. It needs a peer to download
+from, so a peer that finishes stays while another may still need it:
 
 - a peer behind (a lower epoch) is still in its last round, or about to download;
 - a peer that announced it is downloading needs someone to serve it;
