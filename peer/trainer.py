@@ -228,15 +228,12 @@ class Trainer:
         deadline = time.monotonic() + timeout_seconds
         seen, start_at = 0, None
         while not self.stop and time.monotonic() < deadline:
-            expiration = get_dht_time() + tracker.metadata_expiration
-            tracker.dht.store(tracker.training_progress_key, subkey=tracker._local_public_key,
-                              value=tracker.local_progress.dict(), expiration_time=expiration)
+            self._publish(tracker.training_progress_key, tracker.local_progress.dict())
             self.on_progress()  # waiting for peers by design is not a stall
             seen = len(self._records(tracker.training_progress_key))
             if seen >= min_peers and start_at is None:
-                tracker.dht.store(gate_key, subkey=tracker._local_public_key, value=get_dht_time(),
-                                  expiration_time=expiration)
                 start_at, quorum = get_dht_time(), seen
+                self._publish(gate_key, start_at)
             if start_at is not None:
                 quorum_times = [t for t in self._records(gate_key).values() if isinstance(t, (int, float))]
                 start_at = min([start_at, *quorum_times])
@@ -245,6 +242,12 @@ class Trainer:
                     return quorum  # passed, even if a peer left meanwhile: swarms handle departures
             self.stop.wait(0.25)
         return seen
+
+    def _publish(self, key: str, value) -> None:
+        """Store value under key, in this peer's own signed subkey, for as long as the tracker's records live."""
+        tracker = self.optimizer.tracker
+        tracker.dht.store(key, subkey=tracker._local_public_key, value=value,
+                          expiration_time=get_dht_time() + tracker.metadata_expiration)
 
     def _records(self, key: str) -> Dict[bytes, object]:
         """Every peer's value under key, by subkey (its owner), read from the DHT now."""
@@ -270,21 +273,21 @@ class Trainer:
         tracker = self.optimizer.tracker
         matchmaking, timeout = self.optimizer.matchmaking_time, self.optimizer.averaging_timeout
         epoch, me = self.optimizer.local_epoch, tracker._local_public_key
+        leaving_key = tracker.training_progress_key + LEAVING_KEY_SUFFIX
         now = time.monotonic()
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
         progress = self._records(tracker.training_progress_key)  # fresh: the tracker's view may lag
         if self._last_round_outcome in ("failed", "timeout") and has_final_state_elsewhere(epoch, progress, me):
-            self._announce_leaving(leave_record(epoch, DOWNLOADING))
+            self._publish(leaving_key, leave_record(epoch, DOWNLOADING))
             logger.info("the last averaging round failed: downloading the swarm's final state before leaving")
             self.optimizer.load_state_from_peers()
-        self._announce_leaving(leave_record(epoch, DONE))
+        self._publish(leaving_key, leave_record(epoch, DONE))
         silent_since: Dict[bytes, float] = {}
         while not self.stop and time.monotonic() < deadline:
-            needs = needs_of_others(epoch, self._records(tracker.training_progress_key),
-                                    self._records(tracker.training_progress_key + LEAVING_KEY_SUFFIX), me)
+            needs = needs_of_others(epoch, self._records(tracker.training_progress_key), self._records(leaving_key), me)
             now = time.monotonic()
-            for owner in needs:
-                if needs[owner] is Need.GRACE:
+            for owner, need in needs.items():
+                if need is Need.GRACE:
                     silent_since.setdefault(owner, now)
             waiting = now < stay_until or any(
                 need is Need.SERVE or (need is Need.GRACE and now < silent_since[owner] + timeout + matchmaking)
@@ -293,11 +296,6 @@ class Trainer:
             if not waiting:
                 return
             self.stop.wait(0.5)
-
-    def _announce_leaving(self, record: dict) -> None:
-        tracker = self.optimizer.tracker
-        tracker.dht.store(tracker.training_progress_key + LEAVING_KEY_SUFFIX, subkey=tracker._local_public_key,
-                          value=record, expiration_time=get_dht_time() + tracker.metadata_expiration)
 
     def validate(self) -> float:
         return evaluate(self.model, self.val_loader, self.task.loss_fn, self.device, self.config.training.val_batches)

@@ -33,6 +33,12 @@ FAST_SWARM_ARGS = [
 ]
 
 
+def start_peer(spawn, tmp_path: Path, name: str, *extra: str, env: Optional[Dict[str, str]] = None) -> "PeerProcess":
+    """`peer start` with the fast settings, its own checkpoint directory tmp_path/name and summary tmp_path/name.json."""
+    return spawn(name, "start", *FAST_SWARM_ARGS, "--checkpoint-dir", str(tmp_path / name),
+                 "--summary-json", str(tmp_path / f"{name}.json"), *extra, env=env)
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.2, message: str = "") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

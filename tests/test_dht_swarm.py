@@ -11,7 +11,7 @@ from typing import List
 
 import pytest
 
-from tests.peers import FAST_SWARM_ARGS, REPO_ROOT, session_processes, wait_until
+from tests.peers import REPO_ROOT, session_processes, start_peer, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -24,11 +24,6 @@ def run_peer(cwd: Path, *args: str, timeout: float) -> subprocess.CompletedProce
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "peer", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=timeout)
-
-
-def start_peer(spawn, tmp_path: Path, name: str, *extra: str):
-    return spawn(name, "start", *FAST_SWARM_ARGS, "--checkpoint-dir", str(tmp_path / name),
-                 "--summary-json", str(tmp_path / f"{name}.json"), *extra)
 
 
 @pytest.mark.timeout(240)

@@ -12,6 +12,7 @@ from tests.peers import (
     load_model_state,
     max_parameter_difference,
     session_processes,
+    start_peer,
     wait_until,
 )
 
@@ -51,10 +52,8 @@ def test_a_peer_that_finishes_first_stays_until_a_straggler_has_the_final_state(
     epochs, timeout = 3, 5
 
     def start(name: str, *extra: str, env=None):
-        return spawn(name, "start", *FAST_SWARM_ARGS, "--min-peers", "2", "--target-batch-size", "32",
-                     "--max-epochs", str(epochs), "--averaging-timeout-seconds", str(timeout),
-                     "--checkpoint-dir", str(tmp_path / name), "--summary-json", str(tmp_path / f"{name}.json"),
-                     *extra, env=env)
+        return start_peer(spawn, tmp_path, name, "--min-peers", "2", "--target-batch-size", "32", "--max-epochs",
+                          str(epochs), "--averaging-timeout-seconds", str(timeout), *extra, env=env)
 
     first = start("a")
     straggler = start("b", "--initial-peers", first.join_address(), "--task", "tests.tasks_for_tests:make_straggler_task",
@@ -75,11 +74,10 @@ def test_a_peer_that_finishes_first_stays_until_a_straggler_has_the_final_state(
 @pytest.mark.timeout(300)
 def test_late_joiner_downloads_state_then_restart_resumes_from_checkpoint(spawn, tmp_path: Path):
     epochs = 20
-    common = [*FAST_SWARM_ARGS, "--target-batch-size", "32", "--max-epochs", str(epochs), "--checkpoint-every-epochs", "1"]
 
     def start(name: str, *extra: str):
-        return spawn(name, "start", *common, "--checkpoint-dir", str(tmp_path / name),
-                     "--summary-json", str(tmp_path / f"{name}.json"), *extra)
+        return start_peer(spawn, tmp_path, name, "--target-batch-size", "32", "--max-epochs", str(epochs),
+                          "--checkpoint-every-epochs", "1", *extra)
 
     first = start("a", "--min-peers", "2")
     address = first.join_address()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dht.swarm_key import SwarmKeyError, read_swarm_key, training_namespace
-from tests.peers import FAST_SWARM_ARGS, load_model_state, max_parameter_difference
+from tests.peers import load_model_state, max_parameter_difference, start_peer
 
 
 def test_namespace_depends_on_the_secret(tmp_path: Path):
@@ -38,9 +38,8 @@ def test_peer_with_wrong_key_cannot_join_a_round(spawn, tmp_path: Path):
     epochs = 6
 
     def start(name: str, key: Path, *extra: str):
-        return spawn(name, "start", *FAST_SWARM_ARGS, "--target-batch-size", "32", "--max-epochs", str(epochs),
-                     "--swarm-key", str(key), "--checkpoint-dir", str(tmp_path / name),
-                     "--summary-json", str(tmp_path / f"{name}.json"), *extra)
+        return start_peer(spawn, tmp_path, name, "--target-batch-size", "32", "--max-epochs", str(epochs),
+                          "--swarm-key", str(key), *extra)
 
     first = start("a", good, "--min-peers", "2")
     address = first.join_address()

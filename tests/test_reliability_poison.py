@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.peers import FAST_SWARM_ARGS, load_model_state
+from tests.peers import load_model_state, start_peer
 
 POISONED_TASK = "tests.tasks_for_tests:make_nan_gradients_task"
 
@@ -19,9 +19,8 @@ def test_nan_gradients_are_dropped_or_discarded_and_training_goes_on(spawn, tmp_
     epochs = 6
 
     def start(name: str, task: str, poison: str, *extra: str):
-        return spawn(name, "start", *FAST_SWARM_ARGS, "--task", task, "--target-batch-size", "48",
-                     "--min-peers", "3", "--checkpoint-dir", str(tmp_path / name),
-                     "--summary-json", str(tmp_path / f"{name}.json"), *extra, env={"POISON": poison})
+        return start_peer(spawn, tmp_path, name, "--task", task, "--target-batch-size", "48", "--min-peers", "3",
+                          *extra, env={"POISON": poison})
 
     honest = start("honest", "bytelm-tiny", "", "--max-epochs", str(epochs))
     address = honest.join_address()
