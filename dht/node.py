@@ -21,8 +21,15 @@ from dht.identity import IdentityError, ensure_identity, is_private
 logger = logging.getLogger(__name__)
 
 
+READY_POLL_SECONDS = 0.5
+
+
 class DHTStartError(RuntimeError):
     """The DHT could not start or reach any initial peer; the message is one line."""
+
+
+class DHTStartCancelled(DHTStartError):
+    """A stop was requested while the DHT was starting."""
 
 
 def start_dht(
@@ -32,12 +39,15 @@ def start_dht(
     identity_path: Optional[str] = None,
     sleep: Callable[[float], None] = time.sleep,
     first_backoff_seconds: float = 1.0,
+    cancelled: Callable[[], bool] = lambda: False,
 ) -> hivemind.DHT:
     """Start a DHT node; retry with exponential backoff; raise DHTStartError when out of attempts.
 
     Each attempt (p2pd start-up plus reaching an initial peer) is bounded by
     config.startup_timeout_seconds, so the whole call takes at most about
     startup_attempts * startup_timeout_seconds plus the backoff between attempts.
+    Once cancelled() is true (a stop signal), it gives up within READY_POLL_SECONDS
+    and raises DHTStartCancelled.
 
     :param identity_path: key file for a stable peer ID; default: config.identity
     """
@@ -54,6 +64,8 @@ def start_dht(
     last_error: Optional[BaseException] = None
     backoff = first_backoff_seconds
     for attempt in range(1, config.startup_attempts + 1):
+        if cancelled():
+            raise DHTStartCancelled("stopped while joining the swarm")
         dht = hivemind.DHT(
             initial_peers=list(config.initial_peers) or None,
             host_maddrs=list(config.host_maddrs),
@@ -65,8 +77,11 @@ def start_dht(
             start=False,
         )
         try:
-            dht.run_in_background(await_ready=True, timeout=config.startup_timeout_seconds)
+            _wait_until_ready(dht, config.startup_timeout_seconds, cancelled)
             return dht
+        except DHTStartCancelled:
+            _discard(dht, stop_now=True)
+            raise
         except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, TimeoutError, ...
             if isinstance(e, TimeoutError) and not str(e):
                 e = TimeoutError(f"not ready within --startup-timeout-seconds {config.startup_timeout_seconds:g}")
@@ -88,14 +103,30 @@ def start_dht(
     ) from last_error
 
 
-def _discard(dht: hivemind.DHT, timeout_seconds: float = 5.0) -> None:
-    """After a failed attempt: make sure its DHT process and p2pd are gone before the next one."""
+def _wait_until_ready(dht: hivemind.DHT, timeout_seconds: float, cancelled: Callable[[], bool]) -> None:
+    """hivemind's run_in_background(await_ready=True), in slices, so that a stop request is noticed."""
+    dht.run_in_background(await_ready=False)
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            dht.wait_until_ready(timeout=max(0.0, min(READY_POLL_SECONDS, deadline - time.monotonic())))
+            return
+        except TimeoutError:
+            if cancelled():
+                raise DHTStartCancelled("stopped while joining the swarm") from None
+            if time.monotonic() >= deadline:
+                raise
+
+
+def _discard(dht: hivemind.DHT, timeout_seconds: float = 5.0, stop_now: bool = False) -> None:
+    """After a failed or cancelled attempt: make sure its DHT process and p2pd are gone."""
     try:
         children = psutil.Process(dht.pid).children(recursive=True) if dht.pid else []
     except psutil.Error:
         children = []
-    dht.join(timeout_seconds)  # a failed start ends the DHT process by itself
-    if dht.is_alive():  # timed out while still starting
+    if not stop_now:
+        dht.join(timeout_seconds)  # a failed start ends the DHT process by itself
+    if dht.is_alive():  # timed out or cancelled while still starting
         dht.terminate()
         dht.join(timeout_seconds)
     for child in children:  # p2pd, when hivemind did not stop it on the way out

@@ -15,7 +15,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from averaging.optimizer import RoundReport
-from dht.node import DHTStartError, quiet_dht_logs, shutdown_dht, start_dht, visible_maddrs
+from dht.node import DHTStartCancelled, DHTStartError, quiet_dht_logs, shutdown_dht, start_dht, visible_maddrs
 from dht.records import PeerInfo, PeerInfoPublisher, record_validators
 from monitoring import BottleneckClassifier, HealthCheck, MetricsExporter, MetricsPortInUseError, PeerMetrics, PhaseTimer
 from peer import lifeline
@@ -23,7 +23,7 @@ from peer.config import PeerConfig
 from peer.data import resolve_device
 from peer.logs import setup_logging, silence_hivemind
 from peer.progress import ProgressDisplay
-from peer.signals import StopRequest
+from peer.signals import StopRequest, start_shared_memory_manager
 from peer.tasks import TaskLoadError, load_task
 from peer.trainer import Trainer, TrainingDiverged, TrainingObserver
 from peer.version import __version__
@@ -78,6 +78,7 @@ def run_peer(config: PeerConfig) -> int:
     lifeline.install()
     setup_logging(config.logging.log_format, config.logging.verbose)
     logger.info(f"swarmtrain {__version__}; config: {config.model_dump_json()}")
+    start_shared_memory_manager()
     stop = StopRequest()
     stop.install_handlers()
     resources = _Resources()
@@ -109,7 +110,8 @@ def run_peer(config: PeerConfig) -> int:
                 raise BadInput(str(e)) from e
             logger.info(f"metrics on http://{config.monitoring.metrics_host}:{port}/metrics")
 
-        resources.dht = start_dht(config.dht, record_validators=record_validators(config.training.run_id))
+        resources.dht = start_dht(config.dht, record_validators=record_validators(config.training.run_id),
+                                  sleep=stop.wait, cancelled=lambda: bool(stop))
         print_join_instructions(config, resources.dht)
 
         display = ProgressDisplay(config.averaging.target_batch_size)
@@ -150,6 +152,9 @@ def run_peer(config: PeerConfig) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         reason, exit_code = "bad_input", EXIT_BAD_INPUT
         return EXIT_BAD_INPUT
+    except DHTStartCancelled:
+        reason, exit_code = f"signal:{stop.signal_name}", EXIT_OK
+        return EXIT_OK
     except DHTStartError as e:
         logger.error(str(e))
         reason = "dht_start_failed"

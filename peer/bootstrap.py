@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -22,7 +20,7 @@ from peer.options import config_options_for, resolve_config
 
 logger = logging.getLogger("peer.bootstrap")
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_ON_SECOND_SIGNAL = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 DHT_FIELDS = [name for name, option in OPTIONS.items() if option.section == "dht"]
 BOOTSTRAP_FIELDS = [*DHT_FIELDS, "run_id", "log_format", "verbose"]
 LIVENESS_POLL_SECONDS = 1.0
@@ -52,28 +50,32 @@ def bootstrap(ctx: click.Context, write_maddrs: Optional[Path], **params: Any) -
 
 
 def run_bootstrap(config: PeerConfig, write_maddrs: Optional[Path] = None) -> int:
-    from dht.node import DHTStartError, quiet_dht_logs, shutdown_dht, start_dht, visible_maddrs
+    from dht.node import DHTStartCancelled, DHTStartError, quiet_dht_logs, shutdown_dht, start_dht, visible_maddrs
     from dht.records import record_validators
     from peer import lifeline
     from peer.logs import setup_logging, silence_hivemind
+    from peer.signals import StopRequest, start_shared_memory_manager
 
     lifeline.install()
     setup_logging(config.logging.log_format, config.logging.verbose)
     logger.info(f"bootstrap node for run {config.training.run_id}; dht config: {config.dht.model_dump_json()}")
-    stop = _Stop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, stop.handle)
+    start_shared_memory_manager()
+    stop = StopRequest(first_signal_does="leaving the swarm")
+    stop.install_handlers()
     dht = None
     try:
-        dht = start_dht(config.dht, record_validators=record_validators(config.training.run_id))
+        dht = start_dht(config.dht, record_validators=record_validators(config.training.run_id),
+                        sleep=stop.wait, cancelled=lambda: bool(stop))
         maddrs = visible_maddrs(dht)
         if write_maddrs is not None:
             write_lines_atomically(write_maddrs, maddrs)
         print_addresses(config, str(dht.peer_id), maddrs, write_maddrs)
-        while not stop.event.wait(LIVENESS_POLL_SECONDS):
+        while not stop.wait(LIVENESS_POLL_SECONDS):
             if not dht.is_alive():
                 logger.error("the DHT process died; exiting (check the log above, rerun with --verbose)")
                 return EXIT_FAILED
+        return EXIT_OK
+    except DHTStartCancelled:
         return EXIT_OK
     except DHTStartError as e:
         logger.error(str(e))
@@ -87,24 +89,6 @@ def run_bootstrap(config: PeerConfig, write_maddrs: Optional[Path] = None) -> in
             quiet_dht_logs(dht)
         shutdown_dht(dht)
         logger.info("bootstrap node stopped")
-
-
-class _Stop:
-    """The first SIGINT/SIGTERM asks for a clean exit; a second one exits at once."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-
-    def handle(self, signum, frame) -> None:
-        from peer.lifeline import kill_descendants
-
-        name = signal.Signals(signum).name
-        if self.event.is_set():
-            logger.warning(f"second {name}: exiting now")
-            kill_descendants()
-            os._exit(EXIT_ON_SECOND_SIGNAL)
-        logger.info(f"{name} received: leaving the swarm (send it again to exit at once)")
-        self.event.set()
 
 
 def print_addresses(config: PeerConfig, peer_id: str, maddrs: List[str], written_to: Optional[Path]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,23 @@ def test_unreachable_initial_peer_fails_after_bounded_retries(spawn, tmp_path: P
     [error] = [line for line in log.splitlines() if "could not join the swarm" in line]
     assert f"after {attempts} attempts" in error and UNREACHABLE in error and "last error: " in error
     wait_until(lambda: not session_processes(node.pid), 15, message="no process of the failed node to remain")
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_stopped_while_it_joins_exits_0_without_waiting_out_the_attempt(spawn, tmp_path: Path):
+    # a listener that accepts and never answers: each attempt to join through it lasts until p2pd gives up (~5 s)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        address = f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/QmZurcthsZnDEsqwnnY67QJW6mAXMS3VayxHZMFQ6QHNKX"
+        peer = start_peer(spawn, tmp_path, "joiner", "--initial-peers", address, "--startup-timeout-seconds", "30")
+        wait_until(lambda: "metrics on" in peer.log(), PYTHON_START_SECONDS, message="the peer to start joining")
+        peer.send(signal.SIGTERM)
+        assert peer.wait(30) == 0, peer.log()[-3000:]
+    log = peer.log()
+    assert "peer stopped (signal:SIGTERM)" in log
+    assert "DHT start attempt" not in log, "the attempt under way was waited out (and retried) instead of abandoned"
+    wait_until(lambda: not session_processes(peer.pid), 15, message="no process of the stopped peer to remain")
 
 
 @pytest.mark.timeout(300)

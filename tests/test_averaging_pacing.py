@@ -1,0 +1,96 @@
+"""averaging/pacing.py: hivemind's matchmaking lookups and donor declarations are spaced out, and none is lost."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.key_manager import GroupKeyManager
+
+from averaging import pacing
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_pacer_spaces_calls_and_queues_callers_that_arrive_together():
+    clock = FakeClock()
+    pacer = pacing.Pacer(0.1, clock=clock)
+    assert pacer.delay() == 0.0
+    assert pacer.delay() == pytest.approx(0.1)  # same moment: waits one interval
+    assert pacer.delay() == pytest.approx(0.2)  # and the next queues behind it
+    clock.now += 1.0
+    assert pacer.delay() == 0.0  # after a quiet spell nobody waits
+
+
+async def test_back_to_back_group_lookups_wait_for_their_slot(monkeypatch):
+    lookups, slept = [], []
+
+    class FakeDHT:
+        peer_id = "me"
+
+        async def get(self, key, latest, return_future):
+            lookups.append(key)
+            return None
+
+    async def record_sleep(seconds):
+        slept.append(seconds)
+
+    monkeypatch.setattr(GroupKeyManager, "get_averagers", pacing._paced_get_averagers)
+    monkeypatch.setattr(pacing.asyncio, "sleep", record_sleep)
+    manager = GroupKeyManager(FakeDHT(), "run_grad_averager", "", None)
+    manager._lookup_pacer = pacing.Pacer(pacing.LOOKUP_INTERVAL_SECONDS, clock=FakeClock())
+    for _ in range(3):
+        assert await manager.get_averagers(manager.current_key, only_active=True) == []
+    assert lookups == [manager.current_key] * 3
+    assert slept == pytest.approx([0.0, pacing.LOOKUP_INTERVAL_SECONDS, 2 * pacing.LOOKUP_INTERVAL_SECONDS])
+
+
+async def test_a_burst_of_state_updates_is_declared_a_few_times_and_the_newest_priority_goes_out(monkeypatch):
+    monkeypatch.setattr(pacing, "DECLARE_INTERVAL_SECONDS", 0.05)
+    stored = []
+
+    class FakeDHT:
+        async def store(self, key, subkey, value, expiration_time, return_future):
+            stored.append((key, value))
+            return True
+
+    averager = SimpleNamespace(
+        _matchmaking=SimpleNamespace(group_key_manager=SimpleNamespace(prefix="run_state_averager")),
+        allow_state_sharing=True, state_sharing_priority=0, declare_state_period=30.0,
+        dht=FakeDHT(), peer_id=SimpleNamespace(to_bytes=lambda: b"me"), _state_updated=asyncio.Event(),
+    )
+    declaring = asyncio.create_task(pacing._paced_declare_for_download_periodically(averager))
+    try:
+        updates = 200  # an all-reduce marks the state updated once per averaged tensor
+        for priority in range(1, updates + 1):
+            averager.state_sharing_priority = priority
+            averager._state_updated.set()
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.2)  # time for the last update to go out
+    finally:
+        declaring.cancel()
+        await asyncio.gather(declaring, return_exceptions=True)
+
+    assert all(key == "run_state_averager.all_averagers" for key, _ in stored)
+    # unpaced, nearly every update is its own store; paced, at most one per interval (plus the first)
+    assert 2 <= len(stored) < updates / 4, len(stored)
+    assert stored[-1][1] == updates
+
+
+def test_building_an_optimizer_installs_the_pacing(monkeypatch):
+    from averaging.config import AveragingConfig
+    from averaging.optimizer import build_swarm_optimizer
+
+    monkeypatch.setattr(GroupKeyManager, "get_averagers", pacing._unpaced_get_averagers)
+    monkeypatch.setattr(DecentralizedAverager, "_declare_for_download_periodically", None)
+    with pytest.raises(Exception):  # the replica is unusable on purpose: only what happens first matters
+        build_swarm_optimizer(AveragingConfig(target_batch_size=8), replica=None)
+    assert GroupKeyManager.get_averagers is pacing._paced_get_averagers
+    assert DecentralizedAverager._declare_for_download_periodically is pacing._paced_declare_for_download_periodically
