@@ -77,10 +77,10 @@ def describe_device(device: torch.device) -> str:
 def run_peer(config: PeerConfig) -> int:
     lifeline.install()
     setup_logging(config.logging.log_format, config.logging.verbose)
-    logger.info(f"swarmtrain {__version__}; config: {config.model_dump_json()}")
     start_shared_memory_manager()
     stop = StopRequest()
     stop.install_handlers()
+    logger.info(f"swarmtrain {__version__}; config: {config.model_dump_json()}")  # from here on, signals stop cleanly
     resources = _Resources()
     trainer: Optional[Trainer] = None
     exit_code, reason = EXIT_FAILED, "crashed"

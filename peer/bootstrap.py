@@ -58,10 +58,10 @@ def run_bootstrap(config: PeerConfig, write_maddrs: Optional[Path] = None) -> in
 
     lifeline.install()
     setup_logging(config.logging.log_format, config.logging.verbose)
-    logger.info(f"bootstrap node for run {config.training.run_id}; dht config: {config.dht.model_dump_json()}")
     start_shared_memory_manager()
     stop = StopRequest(first_signal_does="leaving the swarm")
     stop.install_handlers()
+    logger.info(f"bootstrap node for run {config.training.run_id}; dht config: {config.dht.model_dump_json()}")
     dht = None
     try:
         dht = start_dht(config.dht, record_validators=record_validators(config.training.run_id),

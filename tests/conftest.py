@@ -35,3 +35,17 @@ def pytest_addoption(parser) -> None:
 def soak_seconds(request) -> float:
     return request.config.getoption("--soak-seconds")
 
+
+
+def pytest_collection_modifyitems(config, items: List[pytest.Item]) -> None:
+    """Longest first: the soak, then the multi-peer swarms, then the rest.
+
+    The suite runs on two workers that steal work from each other (pyproject.toml), so a long
+    test started last would finish alone; started first, the short ones fill in around it.
+    """
+    def expected_length(item: pytest.Item) -> int:
+        if "soak_seconds" in getattr(item, "fixturenames", ()):
+            return 0
+        return 1 if item.get_closest_marker("integration") else 2
+
+    items.sort(key=expected_length)  # stable: files keep their order within each class
