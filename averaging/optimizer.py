@@ -35,6 +35,7 @@ from averaging.compression import codecs_from_config
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.guards import all_finite
+from averaging.open_rounds import track_open_rounds
 from averaging.pacing import pace_averager_dht_traffic
 
 logger = logging.getLogger(__name__)
@@ -360,6 +361,7 @@ class ReportingStateAverager(GuardedStateAverager):
 def build_swarm_optimizer(config: AveragingConfig, replica: Replica):
     """The optimizer of config.strategy; every one offers the interface the training loop uses."""
     pace_averager_dht_traffic()  # before any averager process forks
+    track_open_rounds()
     deadlines = AdaptiveDeadlines(
         matchmaking_seconds=config.seconds("matchmaking_seconds"),
         averaging_timeout_seconds=config.seconds("averaging_timeout_seconds"),

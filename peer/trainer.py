@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
@@ -19,6 +20,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from averaging.compression import round_payload_bytes
+from averaging.open_rounds import RoundAbandoner
 from averaging.optimizer import AveragingHooks, Replica, RoundReport, build_swarm_optimizer
 from dht.swarm_key import training_namespace
 from monitoring import PhaseTimer
@@ -127,6 +129,14 @@ class Trainer:
             ),
         )
         self._restore_optimizer()
+        # once leaving, a round that has found no group within a matchmaking window (plus a second for the
+        # leader's answer) never will: without this, Ctrl+C on a peer whose partners just left waits it out
+        self._leaving = threading.Event()
+        self._round_abandoner = RoundAbandoner(
+            leaving=lambda: bool(self.stop) or self._leaving.is_set(),
+            grace_seconds=lambda: self.optimizer.matchmaking_time + 1.0,
+        )
+        self._round_abandoner.start()
         self._payload_bytes = round_payload_bytes(  # after compression: what one round moves, per peer
             config.averaging, list(self.model.parameters()),
             opt_statistics=len(config.averaging.average_opt_statistics),
@@ -302,6 +312,12 @@ class Trainer:
 
     def run(self) -> str:
         """Train until a stop condition; return the exit reason."""
+        try:
+            return self._train()
+        finally:
+            self._leaving.set()
+
+    def _train(self) -> str:
         training = self.config.training
         started = time.monotonic()
         self.model.train()
@@ -414,7 +430,9 @@ class Trainer:
 
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
         """Leave the swarm: stop averagers and the progress tracker, with bounded waits."""
+        self._leaving.set()
         self.optimizer.shutdown()
+        self._round_abandoner.finish()
         for averager in (self.optimizer.state_averager, self.optimizer.grad_averager):
             if averager is not None and averager.is_alive():
                 averager.join(timeout_seconds)

@@ -1,0 +1,76 @@
+"""The averaging rounds this process has started, so that a stopping peer can drop those nobody will join.
+
+hivemind looks for a group until a round's timeout: with `--averaging-timeout-seconds auto`
+that starts at two minutes. A peer whose partners have left (their progress records outlive
+them by a few seconds, so it still schedules rounds) would take that long to stop on Ctrl+C,
+once for the gradient round its last step waits on and again for the background
+state-averaging round that its final checkpoint waits on. hivemind's own shutdown cancels
+rounds still looking for a group, but only after both waits.
+
+`track_open_rounds()` records every round started through hivemind's averagers in this
+process; a `RoundAbandoner` cancels, once the peer is leaving, those still looking for a
+group after a grace period. A cancelled round fails the way a timed-out one does: the peer goes on with
+its own gradients or parameters. Rounds that found their group are left to finish, since
+their groupmates wait for this peer's part.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Callable
+
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage, StepControl
+
+logger = logging.getLogger(__name__)
+
+_open_rounds: "weakref.WeakSet[StepControl]" = weakref.WeakSet()
+_unrecorded_step = DecentralizedAverager.step
+
+
+def _recorded_step(self: DecentralizedAverager, *args, **kwargs):
+    result = _unrecorded_step(self, *args, **kwargs)
+    if isinstance(result, StepControl):  # wait=False: the round goes on in the background
+        _open_rounds.add(result)
+    return result
+
+
+def track_open_rounds() -> None:
+    """Record the rounds hivemind's averagers start in this process from now on (idempotent)."""
+    DecentralizedAverager.step = _recorded_step
+
+
+class RoundAbandoner(threading.Thread):
+    """While leaving() is true, cancels rounds that have looked for a group for grace_seconds() or longer."""
+
+    def __init__(self, leaving: Callable[[], bool], grace_seconds: Callable[[], float],
+                 poll_seconds: float = 0.25, clock: Callable[[], float] = time.monotonic):
+        super().__init__(name="RoundAbandoner", daemon=True)
+        self.leaving, self.grace_seconds, self.poll_seconds, self.clock = leaving, grace_seconds, poll_seconds, clock
+        self._looking_since: "weakref.WeakKeyDictionary[StepControl, float]" = weakref.WeakKeyDictionary()
+        self._finished = threading.Event()
+
+    def run(self) -> None:
+        while not self._finished.wait(self.poll_seconds):
+            if self.leaving():
+                self.poll()
+
+    def finish(self, timeout_seconds: float = 1.0) -> None:
+        self._finished.set()
+        if self.is_alive():
+            self.join(timeout_seconds)
+
+    def poll(self) -> int:
+        """One pass: cancel the rounds that have looked long enough; return how many."""
+        now, grace, cancelled = self.clock(), self.grace_seconds(), 0
+        for control in list(_open_rounds):
+            if control.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP:
+                continue
+            since = self._looking_since.setdefault(control, now)
+            if now - since >= grace and control.cancel():
+                cancelled += 1
+        if cancelled:
+            logger.info(f"leaving: abandoned {cancelled} averaging round(s) that found no group within {grace:.0f}s")
+        return cancelled

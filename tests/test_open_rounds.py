@@ -1,0 +1,78 @@
+"""averaging/open_rounds.py: a leaving peer drops rounds that found no group, and only those."""
+from __future__ import annotations
+
+import weakref
+
+import hivemind
+import pytest
+import torch
+from hivemind.averaging.control import AveragingStage
+
+from averaging import open_rounds
+from averaging.open_rounds import RoundAbandoner, track_open_rounds
+from tests.peers import wait_until
+
+
+class FakeRound:
+    def __init__(self, stage: AveragingStage, done: bool = False):
+        self.stage, self._done, self.cancelled = stage, done, False
+
+    def done(self) -> bool:
+        return self._done or self.cancelled
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_only_rounds_still_looking_for_a_group_after_the_grace_are_cancelled(monkeypatch):
+    looking = FakeRound(AveragingStage.LOOKING_FOR_GROUP)
+    grouped = FakeRound(AveragingStage.AWAITING_TRIGGER)  # its groupmates wait for our part: let it finish
+    running = FakeRound(AveragingStage.RUNNING_ALLREDUCE)
+    finished = FakeRound(AveragingStage.LOOKING_FOR_GROUP, done=True)
+    rounds = [looking, grouped, running, finished]
+    monkeypatch.setattr(open_rounds, "_open_rounds", weakref.WeakSet(rounds))
+    clock = FakeClock()
+    abandoner = RoundAbandoner(leaving=lambda: True, grace_seconds=lambda: 2.0, clock=clock)
+
+    assert abandoner.poll() == 0  # first seen now: it may still find its group
+    clock.now += 1.9
+    assert abandoner.poll() == 0
+    clock.now += 0.1
+    assert abandoner.poll() == 1
+    assert looking.cancelled and not any(r.cancelled for r in (grouped, running, finished))
+
+
+@pytest.mark.timeout(120)
+def test_a_leaving_peer_cancels_its_real_round_that_nobody_joins():
+    track_open_rounds()
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = abandoner = None
+    try:
+        averager = hivemind.averaging.DecentralizedAverager(
+            [torch.zeros(8)], dht, prefix="lonely", min_matchmaking_time=1.0, request_timeout=0.5, start=True,
+        )
+        # alone, this round would look for a group for its whole timeout
+        control = averager.step(timeout=60, wait=False)
+        assert control in set(open_rounds._open_rounds)
+        leaving = []
+        abandoner = RoundAbandoner(leaving=lambda: bool(leaving), grace_seconds=lambda: 1.0, poll_seconds=0.1)
+        abandoner.start()
+        wait_until(lambda: control.stage == AveragingStage.LOOKING_FOR_GROUP, 20, message="matchmaking to start")
+        leaving.append(True)
+        wait_until(control.done, 30, message="the round to end")
+        assert control.cancelled()
+    finally:
+        if abandoner is not None:
+            abandoner.finish()
+        if averager is not None:
+            averager.shutdown()
+        dht.shutdown()
