@@ -119,7 +119,8 @@ def test_peers_that_know_only_the_bootstrap_node_find_each_other_and_average(spa
     assert maddrs_file.exists(), boot.log()[-3000:]
     maddrs: List[str] = maddrs_file.read_text().splitlines()
     assert maddrs and all(maddr.startswith("/ip4/127.0.0.1/tcp/") for maddr in maddrs)
-    assert maddrs[0] in boot.log()  # printed at start, too
+    # printed at start, too: just after the file is written, so the log may lag the file by a moment
+    wait_until(lambda: maddrs[0] in boot.log(), 10, message="the bootstrap node to print its multiaddrs")
 
     common = ["--target-batch-size", "32", "--min-peers", "2", "--max-epochs", "3",
               "--initial-peers-file", str(maddrs_file)]
