@@ -7,7 +7,7 @@ hivemind 1.1.12 talks to the DHT in two unpaced loops while it averages:
   changes, and an all-reduce "changes" it once per averaged tensor: the same record, stored dozens
   of times per round.
 On a 2-peer swarm of the tiny test model that was about 200 DHT requests a second per peer and 1.6
-cores in all, most of it in hivemind's DHT process and p2pd; paced as below, 40 a second and 0.5
+cores in all, most of it in hivemind's DHT process and p2pd; paced as below, about 20 a second and 0.5
 cores, with as many epochs a second. Over a real network each of those requests also reaches other
 peers' DHT nodes.
 

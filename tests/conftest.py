@@ -36,7 +36,6 @@ def soak_seconds(request) -> float:
     return request.config.getoption("--soak-seconds")
 
 
-
 def pytest_collection_modifyitems(config, items: List[pytest.Item]) -> None:
     """Longest first: the soak, then the multi-peer swarms, then the rest.
 
