@@ -4,13 +4,13 @@
 `payload_bytes` measures what a list of tensors costs on the wire under a codec (the
 serialized buffers, as hivemind sends them), so that byte counters and the README's
 arithmetic use one number. `round_payload_bytes` says which tensors one averaging round
-of each strategy sends. This module must not start anything or touch the network.
+of each strategy sends. This module must not start anything or touch the network. The 8-bit
+codecs decode only with averaging/hivemind_compat.py installed (a numpy 2 fix).
 """
 from __future__ import annotations
 
 from typing import Iterable, List, Sequence
 
-import numpy as np
 import torch
 from hivemind.compression import (
     BlockwiseQuantization,
@@ -23,8 +23,6 @@ from hivemind.compression import (
     SizeAdaptiveCompression,
     Uniform8BitQuantization,
 )
-from hivemind.compression.quantization import Quantization
-from hivemind.proto import runtime_pb2
 from hivemind.utils.math import get_flatten_greedy_dims
 
 from averaging.config import BITSANDBYTES_INSTALL, CODECS, AveragingConfig, bitsandbytes_available
@@ -37,48 +35,6 @@ _FIXED = {
     "quantile8": Quantile8BitQuantization,
     "blockwise8": BlockwiseQuantization,
 }
-
-
-def _read_int64(buffer: bytes, offset: int = 0) -> int:
-    return int(np.frombuffer(buffer, count=1, offset=offset, dtype=np.int64)[0])
-
-
-def _quantization_extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-    """hivemind 1.1.12's Quantization.extract, reading the codebook size in a way numpy 2 accepts.
-
-    Upstream calls int() on a 1-element array, which numpy >= 2 rejects with a TypeError, so every
-    uint8/quantile8 all-reduce fails on the receiving side.
-    """
-    buffer = serialized_tensor.buffer
-    codebook_size = _read_int64(buffer)
-    codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
-    quantized = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
-    quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
-    codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
-    return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
-
-
-def _blockwise_extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-    """hivemind 1.1.12's BlockwiseQuantization.extract with the same numpy 2 fix."""
-    from bitsandbytes.functional import dequantize_blockwise
-    from hivemind.compression.quantization import _BLOCKWISE_QUANTIZATION_BLOCKSIZE
-
-    buffer = serialized_tensor.buffer
-    absmax_size, codebook_size = _read_int64(buffer), _read_int64(buffer, 8)
-    absmax = np.frombuffer(buffer, offset=16, count=absmax_size, dtype=self.codebook_dtype)
-    codebook = np.frombuffer(buffer, offset=16 + absmax.nbytes, count=codebook_size, dtype=self.codebook_dtype)
-    quantized = np.frombuffer(buffer, offset=16 + absmax.nbytes + codebook.nbytes, dtype=self.indices_dtype)
-    result = dequantize_blockwise(
-        torch.as_tensor(quantized).reshape(tuple(serialized_tensor.size)), absmax=torch.as_tensor(absmax),
-        code=torch.as_tensor(codebook), blocksize=_BLOCKWISE_QUANTIZATION_BLOCKSIZE, nested=False,
-    )
-    return result.to(getattr(torch, serialized_tensor.dtype)).requires_grad_(serialized_tensor.requires_grad)
-
-
-# Patched on the classes, not on our instances: the receiving side deserializes with hivemind's own
-# registry of codec instances. Averager processes are forked after this import, so they inherit it.
-Quantization.extract = _quantization_extract
-BlockwiseQuantization.extract = _blockwise_extract
 
 
 def make_codec(name: str, adaptive_threshold: int = 2**16, adaptive_large_codec: str = "uint8") -> CompressionBase:

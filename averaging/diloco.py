@@ -23,27 +23,29 @@ load_state_from_peers brings params + outer momentum + inner optimizer state + e
 whose round failed while others exist downloads the swarm's state before its next step, so
 one lost round does not leave it apart for good.
 
-This module must not know about metrics or the CLI; it reports through AveragingHooks.
+It implements the SwarmOptimizer Protocol (averaging/api.py) on hivemind's public pieces
+(DecentralizedAverager, ProgressTracker) and the guarded state averager (averaging/state.py). This
+module must not know about metrics or the CLI; it reports through AveragingHooks.
 """
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from contextlib import nullcontext
-from typing import ContextManager, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 
+from averaging import progress
+from averaging.api import Replica, RoundReport, SwarmView
 from averaging.compression import make_codec
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.guards import all_finite
-from averaging.optimizer import (
-    GuardedStateAverager, Replica, RoundReport, report_state_download, retune_deadlines, try_attempts,
-)
+from averaging.rounds import RoundKeeper, set_matchmaking_window
+from averaging.state import GuardedStateAverager
 
 logger = logging.getLogger(__name__)
 
@@ -60,29 +62,28 @@ def outer_nesterov_step_(
 
 
 class DiLoCoOptimizer:
-    """The training loop's optimizer interface (step, zero_grad, local_epoch, tracker, ...) for DiLoCo."""
+    """The SwarmOptimizer Protocol for DiLoCo."""
 
     def __init__(
         self,
         config: AveragingConfig,
         replica: Replica,
         *,
-        deadlines: Optional[AdaptiveDeadlines] = None,
+        rounds: Optional[RoundKeeper] = None,
         tracker_opts: Optional[dict] = None,
         averager_opts: Optional[dict] = None,
         matchmaking_floor: float = 5.0,
         allreduce_timeout: float = 60.0,
-        load_state_attempts: int = 3,
     ):
-        dht, run_id = replica.dht, replica.run_id
-        self.config, self.dht, self.run_id, self.hooks = config, dht, run_id, replica.hooks
+        dht, keys = replica.dht, replica.keys
+        self.config, self.dht = config, dht
+        self.rounds = rounds or RoundKeeper(replica.hooks, AdaptiveDeadlines(
+            matchmaking_seconds=matchmaking_floor, averaging_timeout_seconds=allreduce_timeout))
         self.client_mode = dht.client_mode if replica.client_mode is None else replica.client_mode
         self.batch_size, self.target_batch_size = replica.batch_size, config.target_batch_size
-        self.load_state_timeout, self.load_state_attempts = config.load_state_timeout_seconds, load_state_attempts
-        self.deadlines = deadlines or AdaptiveDeadlines(
-            matchmaking_seconds=matchmaking_floor, averaging_timeout_seconds=allreduce_timeout
-        )
-        self._training_thread = threading.current_thread()
+        self.load_state_timeout = config.load_state_timeout_seconds
+        tracker_opts = dict(tracker_opts or {})
+        self.signing_key = progress.signing_key(tracker_opts)
         self.main_parameters: List[torch.Tensor] = list(replica.params)
         codec_args = (config.adaptive_compression_threshold, config.adaptive_large_codec)
         averager_opts = dict(averager_opts or {})
@@ -92,12 +93,12 @@ class DiLoCoOptimizer:
         self.outer_momentum = [torch.zeros_like(p) for p in self.global_params]
 
         self.tracker = ProgressTracker(
-            dht=dht, prefix=run_id, target_batch_size=config.target_batch_size, client_mode=self.client_mode,
-            start=True, **(tracker_opts or {}),
+            dht=dht, prefix=keys.namespace, target_batch_size=config.target_batch_size, client_mode=self.client_mode,
+            start=True, **dict(tracker_opts, private_key=self.signing_key),
         )
         self.state_averager = GuardedStateAverager(
             dht=dht,
-            prefix=f"{run_id}_diloco_state",
+            prefix=keys.diloco_state,
             optimizer=replica.optimizer_factory,
             params=self.main_parameters,
             scheduler=replica.scheduler_factory,
@@ -116,7 +117,7 @@ class DiLoCoOptimizer:
         self.grad_averager = DecentralizedAverager(
             averaged_tensors=[torch.zeros_like(p) for p in self.global_params],
             dht=dht,
-            prefix=f"{run_id}_diloco_outer",
+            prefix=keys.diloco_outer,
             min_matchmaking_time=matchmaking_floor,
             allreduce_timeout=allreduce_timeout,
             compression=make_codec(config.grad_compression, *codec_args),
@@ -125,16 +126,29 @@ class DiLoCoOptimizer:
             start=True,
             **averager_opts,
         )
-        self._apply_deadlines(self.deadlines.current)
+        self._apply_deadlines(self.rounds.deadlines.current)
         self._inner_steps = self._samples = self._samples_stepped = 0
         self._check_sync_on_next_step = True
-        self._resync_requested = False
 
-    # --- the interface the training loop uses ------------------------------------------------
+    # --- the SwarmOptimizer Protocol -----------------------------------------------------------
 
     @property
     def local_epoch(self) -> int:
         return self.state_averager.local_epoch
+
+    @property
+    def scheduler(self):
+        return self.state_averager.scheduler
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return self._deadlines
+
+    def swarm_view(self, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
+        return progress.swarm_view(self.tracker, refresh_timeout_seconds)
+
+    def announce(self) -> None:
+        progress.announce(self.tracker, self.signing_key)
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
@@ -168,10 +182,9 @@ class DiLoCoOptimizer:
 
     def load_state_from_peers(self, **kwargs) -> bool:
         """Download round-start params, outer momentum, inner optimizer state and epoch; bounded attempts."""
-        with self._phase("state_sync"), self.tracker.pause_updates():
-            loaded = try_attempts(
-                self.load_state_attempts,
-                lambda: self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs),
+        with self.rounds.phase("state_sync"), self.tracker.pause_updates():
+            loaded = self.rounds.download_state(
+                lambda: self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
             )
             # the sender's model was somewhere inside its round; the swarm agrees on the round start
             self._load_round_start_into_model()
@@ -179,7 +192,7 @@ class DiLoCoOptimizer:
                 self.state_averager.local_epoch = self.tracker.global_epoch
                 self._update_scheduler()
             self._start_next_round()
-        report_state_download(self.hooks, loaded, self.local_epoch, self.load_state_attempts)
+        self.rounds.report_download(loaded, self.local_epoch)
         return loaded
 
     def state_dict(self) -> dict:
@@ -212,11 +225,14 @@ class DiLoCoOptimizer:
     def wait_for_background_updates(self) -> None:
         """Nothing runs in the background between rounds: parameters are always final."""
 
-    def shutdown(self, timeout_seconds: float = 5.0) -> None:
-        self.tracker.shutdown(timeout_seconds)
+    def shutdown(self, timeout_seconds: float = 10.0) -> None:
+        self.tracker.shutdown(min(5.0, timeout_seconds))
         for averager in (self.state_averager, self.grad_averager):
             if averager.is_alive():
                 averager.shutdown()
+                averager.join(timeout_seconds)
+                if averager.is_alive():
+                    averager.terminate()
 
     # --- one outer round -----------------------------------------------------------------------
 
@@ -225,7 +241,7 @@ class DiLoCoOptimizer:
             with torch.no_grad():
                 pseudo_grads = [g - p.detach().to("cpu", torch.float32)
                                 for g, p in zip(self.global_params, self.main_parameters)]
-            with self._phase("averaging"):
+            with self.rounds.phase("averaging"):
                 report, averaged = self._average(pseudo_grads)
             with torch.no_grad(), self.state_averager.lock_averaged_tensors:
                 outer_nesterov_step_(
@@ -235,11 +251,11 @@ class DiLoCoOptimizer:
             self.state_averager.local_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
             self._update_scheduler()
             self._start_next_round()
-            if report.outcome in ("failed", "timeout") and self.tracker.global_progress.num_peers > 1:
-                self._resync_requested = True  # others may have averaged without us: take their state
-        self.deadlines.observe_round(report.outcome, report.seconds)
-        self._update_deadlines()
-        self.hooks.round_finished(report)
+        # others may have averaged without us: then take their state
+        self.rounds.finish_round(report, left_behind=self.tracker.global_progress.num_peers > 1)
+        retuned = self.rounds.retune(self.swarm_view())
+        if retuned is not None:
+            self._apply_deadlines(retuned)
 
     def _average(self, pseudo_grads: List[torch.Tensor]) -> Tuple[RoundReport, List[torch.Tensor]]:
         """Average pseudo-gradients with a group; on any failure, this peer's own."""
@@ -253,9 +269,9 @@ class DiLoCoOptimizer:
         try:
             # weighted like the sync strategy's gradients: by the samples this peer took inner steps on
             control = self.grad_averager.step(
-                weight=float(max(1, self._samples_stepped)), timeout=self.averaging_timeout, wait=False
+                weight=float(max(1, self._samples_stepped)), timeout=self._deadlines.averaging_timeout_seconds, wait=False
             )
-            gathered = control.result(timeout=self.averaging_timeout)
+            gathered = control.result(timeout=self._deadlines.averaging_timeout_seconds)
             with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
                 averaged = [buffer.clone() for buffer in buffers]
             if not all_finite(averaged):  # a peer sent NaN/Inf: never apply it
@@ -273,8 +289,7 @@ class DiLoCoOptimizer:
 
     def _should_load_state_from_peers(self) -> bool:
         """Upstream hivemind.Optimizer's rule, plus a resync after a failed round."""
-        if self._resync_requested:
-            self._resync_requested = False
+        if self.rounds.take_resync():
             return True
         if self._check_sync_on_next_step and self.tracker.fetched_global_progress_this_epoch.is_set():
             self._check_sync_on_next_step = False
@@ -308,15 +323,5 @@ class DiLoCoOptimizer:
                 scheduler.step()
 
     def _apply_deadlines(self, deadlines: Deadlines) -> None:
-        self.matchmaking_time = deadlines.matchmaking_seconds
-        self.averaging_timeout = deadlines.averaging_timeout_seconds
-        self.grad_averager.matchmaking_kwargs["min_matchmaking_time"] = deadlines.matchmaking_seconds
-
-    def _update_deadlines(self) -> None:
-        if self.deadlines.auto:
-            self._apply_deadlines(retune_deadlines(self.deadlines, self.tracker, self.target_batch_size))
-
-    def _phase(self, name: str) -> ContextManager:
-        if threading.current_thread() is self._training_thread:
-            return self.hooks.phase(name)
-        return nullcontext()
+        self._deadlines = deadlines
+        set_matchmaking_window([self.grad_averager], deadlines.matchmaking_seconds)

@@ -7,8 +7,8 @@ once for the gradient round its last step waits on and again for the background
 state-averaging round that its final checkpoint waits on. hivemind's own shutdown cancels
 rounds still looking for a group, but only after both waits.
 
-`track_open_rounds()` records every round started through hivemind's averagers in this
-process; a `RoundAbandoner` cancels, once the peer is leaving, those still looking for a
+averaging/hivemind_compat.py records every round started through hivemind's averagers in
+this process; a `RoundAbandoner` cancels, once the peer is leaving, those still looking for a
 group after a grace period. A cancelled round fails the way a timed-out one does: the peer goes on with
 its own gradients or parameters. Rounds that found their group are left to finish, since
 their groupmates wait for this peer's part.
@@ -21,26 +21,11 @@ import time
 import weakref
 from typing import Callable
 
-from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage, StepControl
 
+from averaging import hivemind_compat
+
 logger = logging.getLogger(__name__)
-
-_open_rounds: "weakref.WeakSet[StepControl]" = weakref.WeakSet()
-_unrecorded_step = DecentralizedAverager.step
-
-
-def _recorded_step(self: DecentralizedAverager, *args, **kwargs):
-    result = _unrecorded_step(self, *args, **kwargs)
-    if isinstance(result, StepControl):  # wait=False: the round goes on in the background
-        _open_rounds.add(result)
-    return result
-
-
-def track_open_rounds() -> None:
-    """Record the rounds hivemind's averagers start in this process from now on (idempotent)."""
-    DecentralizedAverager.step = _recorded_step
-
 
 class RoundAbandoner(threading.Thread):
     """While leaving() is true, cancels rounds that have looked for a group for grace_seconds() or longer."""
@@ -65,7 +50,7 @@ class RoundAbandoner(threading.Thread):
     def poll(self) -> int:
         """One pass: cancel the rounds that have looked long enough; return how many."""
         now, grace, cancelled = self.clock(), self.grace_seconds(), 0
-        for control in list(_open_rounds):
+        for control in list(hivemind_compat.open_rounds):
             if control.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP:
                 continue
             since = self._looking_since.setdefault(control, now)

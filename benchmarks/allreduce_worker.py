@@ -7,7 +7,7 @@ with ``@@ `` followed by JSON (anything else on stdout is ignored); logs go to s
 
 - ``bare``: `hivemind.averaging.DecentralizedAverager` over one float32 tensor, hivemind's
   defaults except ``min_matchmaking_time`` (the same window as ours).
-- ``ours``: the gradient averager of the SwarmOptimizer that `averaging.optimizer.build_swarm_optimizer`
+- ``ours``: the gradient averager of the SyncOptimizer that `averaging.factory.build_swarm_optimizer`
   builds from an `AveragingConfig` (our codec, request timeout, matchmaking floor, all-reduce
   timeout), over a model with one parameter of the same size, driven as hivemind.Optimizer
   drives it: ``schedule_step`` (matchmaking ahead of time), then ``step(control=...)``.
@@ -71,8 +71,10 @@ class Peer:
 
         import hivemind
         from averaging.config import AveragingConfig
-        from averaging.optimizer import Replica, build_swarm_optimizer
+        from averaging.api import Replica
+        from averaging.factory import build_swarm_optimizer
         from dht.config import DHTConfig
+        from dht.keys import SwarmKeys
         from dht.node import start_dht
 
         numel = int(args.size_mib * 2**20) // 4
@@ -94,7 +96,7 @@ class Peer:
             averaging_timeout_seconds=args.averaging_timeout_seconds, grad_compression=args.grad_compression,
         )
         self.optimizer = build_swarm_optimizer(self.config, Replica(
-            dht=self.dht, run_id=f"{args.run_id}_ours", params=[self.param],
+            dht=self.dht, keys=SwarmKeys.for_run(f"{args.run_id}_ours"), params=[self.param],
             optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.0), client_mode=False,
         ))
         self.ours = self.optimizer.grad_averager

@@ -6,8 +6,8 @@ optimizer, trained four ways in one process, in interleaved windows (ABCD, DCBA,
 - ``plain``: a plain PyTorch loop: next batch, to device, forward, backward, ``float(loss)``,
   ``optimizer.step()``, ``zero_grad()``.
 - ``daemon``: the real `peer.trainer.Trainer` (its ``run()`` loop, one call per window) with a
-  real DHT on 127.0.0.1, the SwarmOptimizer that `peer start` builds, and monitoring wired as
-  `peer.app.run_peer` wires it: PhaseTimer feeding PeerMetrics and the BottleneckClassifier,
+  real DHT on 127.0.0.1, the SyncOptimizer that `peer start` builds, and monitoring wired as
+  `peer start` wires it (peer/builder.py): PhaseTimer feeding PeerMetrics and the BottleneckClassifier,
   MetricsObserver, HealthCheck, the /metrics exporter on 127.0.0.1 and the peer-record publisher.
   The target batch is so large that no averaging round ever happens.
 - ``daemon_monitoring_off``: the same Trainer object with per-step monitoring removed: a timer
@@ -47,7 +47,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -100,19 +100,15 @@ class Ways:
 
     def __init__(self, task_name: str, batch_size: Optional[int], workers: int, device_name: str, tmp: Path):
         import torch
-        from prometheus_client import CollectorRegistry
 
         import hivemind
-        from dht.node import start_dht
-        from dht.records import PeerInfo, PeerInfoPublisher, record_validators
-        from monitoring import BottleneckClassifier, HealthCheck, MetricsExporter, PeerMetrics, PhaseTimer
-        from peer.app import MetricsObserver, describe_device
+        from peer.builder import PeerBuilder
         from peer.config import load_config
         from peer.data import endless, make_loader
         from peer.progress import ProgressDisplay
+        from peer.signals import StopRequest
         from peer.tasks import load_task
-        from peer.trainer import TrainingObserver, Trainer, seed_from_run_id
-        from peer.version import __version__
+        from peer.trainer import TrainingObserver, seed_from_run_id
 
         self.torch, self.device = torch, torch.device(device_name)
         self.task = load_task(task_name)
@@ -123,7 +119,7 @@ class Ways:
             device=device_name, data_workers=workers, checkpoint_dir=tmp / "ckpt",
             host_maddrs=["/ip4/127.0.0.1/tcp/0"], metrics_host="127.0.0.1", metrics_port=0,
         ))
-        self._closers: List[Callable[[], None]] = []
+        self._stack = ExitStack()
 
         # plain: what a PyTorch user writes, with the daemon's data loader settings and seed
         torch.manual_seed(seed_from_run_id(run_id))
@@ -133,39 +129,15 @@ class Ways:
             self.task.build_train_dataset(), batch_size=self.batch_size, workers=workers, seed=0,
             collate_fn=self.task.collate_fn))
 
-        # daemon: composed like peer.app.run_peer
-        self.timer = PhaseTimer()
-        registry = CollectorRegistry()
-        metrics, classifier = PeerMetrics(registry), BottleneckClassifier()
-        self.health = HealthCheck(self.config.monitoring.health_window_seconds)
-        self.timer.add_listener(metrics.observe_phase)
-        self.timer.add_listener(classifier.observe)
-        metrics.set_info(__version__, describe_device(self.device), "sync", "none")
-        exporter = MetricsExporter(registry, 0, "127.0.0.1", health=self.health)
-        exporter.start()
-        self._closers.append(exporter.stop)
-        self.dht = start_dht(self.config.dht, record_validators=record_validators(run_id))
-        self._closers.append(self._shutdown_dht)
-        self.observer_on = MetricsObserver(metrics, classifier, self.health)
-        self.observer_off = TrainingObserver()
-        from peer.signals import StopRequest
-
-        self.trainer = Trainer(
-            self.config, self.task, self.dht, self.device, StopRequest(), self.timer, observer=self.observer_on,
-            display=ProgressDisplay(HUGE_TARGET, interactive=False), on_progress=self.health.beat,
-        )
-        self._closers.insert(0, self.trainer.shutdown)
-        started = time.monotonic()
-        trainer = self.trainer
-        publisher = PeerInfoPublisher(self.dht, run_id, lambda: PeerInfo(
-            peer_id=str(self.dht.peer_id), version=__version__, device=describe_device(self.device),
-            client_mode=False, samples_per_second=float(trainer.optimizer.tracker.performance_ema.samples_per_second),
-            global_epoch=int(trainer.optimizer.local_epoch), uptime_seconds=time.monotonic() - started,
-            time=time.time(), fractions={k: float(v) for k, v in classifier.fractions().items()},
-            bottleneck=classifier.dominant,
-        ))
-        publisher.start()
-        self._closers.insert(0, publisher.stop)
+        # daemon: assembled by the same builder as `peer start`, torn down by closing the stack
+        builder = PeerBuilder(self.config, StopRequest(), self._stack)
+        monitoring = builder.monitoring(self.device, "sync", "none")
+        self.dht = builder.dht()
+        self.trainer = trainer = builder.training(
+            self.task, self.device, self.dht, monitoring, ProgressDisplay(HUGE_TARGET, interactive=False))
+        builder.publisher(self.dht, trainer, monitoring)
+        self.timer, self.health = monitoring.timer, monitoring.health
+        self.observer_on, self.observer_off = monitoring.observer, TrainingObserver()
         val_loss = trainer.validate()
         trainer.validate = lambda: val_loss  # validation is not what is measured; run() calls it once per window
 
@@ -177,22 +149,14 @@ class Ways:
             optimizer=self.task.build_optimizer, target_batch_size=HUGE_TARGET, batch_size_per_step=self.batch_size,
             verbose=False,
         )
-        self._closers.insert(0, self.hm_opt.shutdown)
+        self._stack.callback(self.hm_opt.shutdown)
         self.hm_batches = endless(make_loader(
             self.task.build_train_dataset(), batch_size=self.batch_size, workers=workers, seed=0,
             collate_fn=self.task.collate_fn))
 
-    def _shutdown_dht(self) -> None:
-        from dht.node import shutdown_dht
-
-        shutdown_dht(self.dht)
-
     def close(self) -> None:
-        for close in self._closers:
-            try:
-                close()
-            except Exception as e:  # teardown goes on; one failure must not leave the DHT running
-                print(f"[{NAME}] teardown: {type(e).__name__}: {e}", file=sys.stderr)
+        """Stop everything in reverse order; one failure must not leave the DHT running."""
+        self._stack.close()
 
     # --- one window of each way ------------------------------------------------------------
 

@@ -63,8 +63,10 @@ def child(args) -> int:
     import torch
 
     from averaging.config import AveragingConfig
-    from averaging.optimizer import Replica, build_swarm_optimizer
+    from averaging.api import Replica
+    from averaging.factory import build_swarm_optimizer
     from dht.config import DHTConfig
+    from dht.keys import SwarmKeys
     from dht.node import shutdown_dht, start_dht
     from peer.tasks.bytelm import ByteTransformer, VOCAB_SIZE
 
@@ -79,7 +81,7 @@ def child(args) -> int:
     optimizer = None
     try:
         optimizer = build_swarm_optimizer(config, Replica(
-            dht=dht, run_id=f"bench-offload-{os.getpid()}", params=model.parameters(),
+            dht=dht, keys=SwarmKeys.for_run(f"bench-offload-{os.getpid()}"), params=model.parameters(),
             optimizer_factory=lambda params: torch.optim.AdamW(params, lr=1e-4), batch_size=args.batch_size,
             client_mode=False,
         ))

@@ -23,6 +23,8 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 from pydantic.v1 import BaseModel, StrictBool, confloat, conint, conlist, constr
 
+from dht.keys import peers_key
+
 logger = logging.getLogger(__name__)
 
 RECORD_TTL_SECONDS = 15.0
@@ -51,10 +53,6 @@ class SwarmRecordsSchema(BaseModel):
     peers: Dict[BytesWithPublicKey, Optional[PeerInfo]]
 
 
-def records_key(run_id: str) -> str:
-    return f"{run_id}_peers"
-
-
 class RecordLimitsValidator(RecordValidatorBase):
     """Rejects PeerInfo records that are too large or expire too far in the future.
 
@@ -62,7 +60,7 @@ class RecordLimitsValidator(RecordValidatorBase):
     """
 
     def __init__(self, run_id: str, max_value_bytes: int = MAX_VALUE_BYTES, max_ttl_seconds: float = MAX_TTL_SECONDS):
-        self.key_id = DHTID.generate(source=records_key(run_id)).to_bytes()
+        self.key_id = DHTID.generate(source=peers_key(run_id)).to_bytes()
         self.max_value_bytes, self.max_ttl_seconds = max_value_bytes, max_ttl_seconds
 
     def validate(self, record: DHTRecord) -> bool:
@@ -89,7 +87,7 @@ def record_validators(run_id: str) -> List:
 
 def read_peer_infos(dht: hivemind.DHT, run_id: str, timeout_seconds: float = 10.0) -> Dict[bytes, PeerInfo]:
     """Live, valid PeerInfo records of the run, by owner public key."""
-    found = dht.get(records_key(run_id), latest=True, return_future=True).result(timeout=timeout_seconds)
+    found = dht.get(peers_key(run_id), latest=True, return_future=True).result(timeout=timeout_seconds)
     if found is None or not isinstance(found.value, dict):
         return {}
     now = get_dht_time()
@@ -104,6 +102,24 @@ def read_peer_infos(dht: hivemind.DHT, run_id: str, timeout_seconds: float = 10.
     return infos
 
 
+def own_subkey() -> bytes:
+    """The subkey this process signs its records with: hivemind's process-wide RSA key, which its
+    progress tracker uses too, so that a peer's records of every kind share one owner."""
+    return RSASignatureValidator().local_public_key
+
+
+def store_own(dht: hivemind.DHT, key: str, value, ttl_seconds: float) -> None:
+    """Store value under key, in this peer's own signed subkey (waits until stored)."""
+    dht.store(key, subkey=own_subkey(), value=value, expiration_time=get_dht_time() + ttl_seconds)
+
+
+def read_by_owner(dht: hivemind.DHT, key: str) -> Dict[bytes, object]:
+    """Every peer's current value under key, by subkey (its owner), read from the DHT now."""
+    found = dht.get(key, latest=True)
+    entries = found.value.items() if found is not None and isinstance(found.value, dict) else []
+    return {owner: entry.value for owner, entry in entries if getattr(entry, "value", None) is not None}
+
+
 class PeerInfoPublisher(threading.Thread):
     """Publishes this peer's record every few seconds until stopped."""
 
@@ -116,9 +132,9 @@ class PeerInfoPublisher(threading.Thread):
         ttl_seconds: float = RECORD_TTL_SECONDS,
     ):
         super().__init__(name="PeerInfoPublisher", daemon=True)
-        self.dht, self.key, self.make_info = dht, records_key(run_id), make_info
+        self.dht, self.key, self.make_info = dht, peers_key(run_id), make_info
         self.period_seconds, self.ttl_seconds = period_seconds, ttl_seconds
-        self.owner_key = RSASignatureValidator().local_public_key
+        self.owner_key = own_subkey()
         self._stop_event = threading.Event()
 
     def publish_now(self, timeout_seconds: float = 10.0) -> bool:

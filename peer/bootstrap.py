@@ -3,25 +3,26 @@
 It stores and validates the run's swarm records (the same validators as every peer), prints
 its multiaddrs, optionally writes them to a file for others to read with
 --initial-peers-file, and serves until SIGINT/SIGTERM, then leaves cleanly (exit 0).
-It trains nothing, publishes no PeerInfo (it is not a peer of the run) and needs no torch.
+It trains nothing and publishes no PeerInfo (it is not a peer of the run).
 """
 from __future__ import annotations
 
 import logging
 import os
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, List, Optional
 
 import click
 
 from peer.config import OPTIONS, PeerConfig
+from peer.exit_codes import ExitCode
 from peer.options import config_options_for, resolve_config
 
 logger = logging.getLogger("peer.bootstrap")
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-DHT_FIELDS = [name for name, option in OPTIONS.items() if option.section == "dht"]
+DHT_FIELDS = [option.cli_name for option in OPTIONS.values() if option.section == "dht"]
 BOOTSTRAP_FIELDS = [*DHT_FIELDS, "run_id", "log_format", "verbose"]
 LIVENESS_POLL_SECONDS = 1.0
 
@@ -45,15 +46,15 @@ def bootstrap(ctx: click.Context, write_maddrs: Optional[Path], **params: Any) -
             "(or unset PEER_CLIENT_MODE)",
             err=True,
         )
-        ctx.exit(EXIT_BAD_INPUT)
+        ctx.exit(ExitCode.BAD_INPUT)
     ctx.exit(run_bootstrap(config, write_maddrs))
 
 
 def run_bootstrap(config: PeerConfig, write_maddrs: Optional[Path] = None) -> int:
-    from dht.node import DHTStartCancelled, DHTStartError, quiet_dht_logs, shutdown_dht, start_dht, visible_maddrs
-    from dht.records import record_validators
+    from dht.node import DHTStartCancelled, DHTStartError, visible_maddrs
     from peer import lifeline
-    from peer.logs import setup_logging, silence_hivemind
+    from peer.builder import PeerBuilder
+    from peer.logs import setup_logging
     from peer.signals import StopRequest, start_shared_memory_manager
 
     lifeline.install()
@@ -62,33 +63,27 @@ def run_bootstrap(config: PeerConfig, write_maddrs: Optional[Path] = None) -> in
     stop = StopRequest(first_signal_does="leaving the swarm")
     stop.install_handlers()
     logger.info(f"bootstrap node for run {config.training.run_id}; dht config: {config.dht.model_dump_json()}")
-    dht = None
-    try:
-        dht = start_dht(config.dht, record_validators=record_validators(config.training.run_id),
-                        sleep=stop.wait, cancelled=lambda: bool(stop))
-        maddrs = visible_maddrs(dht)
-        if write_maddrs is not None:
-            write_lines_atomically(write_maddrs, maddrs)
-        print_addresses(config, str(dht.peer_id), maddrs, write_maddrs)
-        while not stop.wait(LIVENESS_POLL_SECONDS):
-            if not dht.is_alive():
-                logger.error("the DHT process died; exiting (check the log above, rerun with --verbose)")
-                return EXIT_FAILED
-        return EXIT_OK
-    except DHTStartCancelled:
-        return EXIT_OK
-    except DHTStartError as e:
-        logger.error(str(e))
-        return EXIT_FAILED
-    except OSError as e:
-        logger.error(f"--write-maddrs {write_maddrs}: cannot write ({e.strerror or e}); check the directory")
-        return EXIT_FAILED
-    finally:
-        silence_hivemind()
-        if not config.logging.verbose:
-            quiet_dht_logs(dht)
-        shutdown_dht(dht)
-        logger.info("bootstrap node stopped")
+    with ExitStack() as stack:
+        stack.callback(logger.info, "bootstrap node stopped")
+        try:
+            dht = PeerBuilder(config, stop, stack).dht()
+            maddrs = visible_maddrs(dht)
+            if write_maddrs is not None:
+                write_lines_atomically(write_maddrs, maddrs)
+            print_addresses(config, str(dht.peer_id), maddrs, write_maddrs)
+            while not stop.wait(LIVENESS_POLL_SECONDS):
+                if not dht.is_alive():
+                    logger.error("the DHT process died; exiting (check the log above, rerun with --verbose)")
+                    return ExitCode.FAILED
+            return ExitCode.OK
+        except DHTStartCancelled:
+            return ExitCode.OK
+        except DHTStartError as e:
+            logger.error(str(e))
+            return ExitCode.FAILED
+        except OSError as e:
+            logger.error(f"--write-maddrs {write_maddrs}: cannot write ({e.strerror or e}); check the directory")
+            return ExitCode.FAILED
 
 
 def print_addresses(config: PeerConfig, peer_id: str, maddrs: List[str], written_to: Optional[Path]) -> None:

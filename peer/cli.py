@@ -11,8 +11,9 @@ from typing import Any, List, Optional
 import click
 from click.core import ParameterSource
 
-from peer.config import OPTIONS
-from peer.options import EXIT_BAD_INPUT, config_options_for, resolve_config
+from peer.config import OPTIONS_BY_CLI
+from peer.exit_codes import ExitCode
+from peer.options import config_options_for, resolve_config
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -55,8 +56,8 @@ def _start_args(ctx: click.Context) -> List[str]:
             continue
         if name == "config_file":
             args += ["--config", str(value)]
-        elif name in OPTIONS:
-            option = OPTIONS[name]
+        elif name in OPTIONS_BY_CLI:
+            option = OPTIONS_BY_CLI[name]
             if option.is_bool:
                 args.append(option.flag if value else f"--no-{option.flag[2:]}")
             else:
@@ -72,9 +73,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         code = e.exit_code
     except click.ClickException as e:
         click.echo(f"error: {' '.join(e.format_message().split())}", err=True)
-        code = EXIT_BAD_INPUT
+        code = ExitCode.BAD_INPUT
     except click.exceptions.Abort:
-        code = 130
+        code = 130  # the shell's convention for an interrupted command
     sys.exit(code or 0)
 
 

@@ -14,7 +14,7 @@ import json
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Tuple, Type
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -146,15 +146,44 @@ class Option:
         return f"{self.section}.{self.name}"
 
 
-OPTIONS: Dict[str, Option] = {
-    name: Option(
-        section, name, field.description or "", field.annotation is bool,
-        cli_name=(field.json_schema_extra or {}).get("cli_name", name),
+def index_options(
+    sections: Mapping[str, Type[BaseModel]],
+) -> Tuple[Dict[str, Option], Dict[str, Option], Dict[str, Option]]:
+    """Index every field of the given sections as (by "section.field", by cli_name, by PEER_* name).
+
+    A field name may repeat across sections; its cli_name (and so its flag and variable) may not.
+    :raises ValueError: naming both options when two of them share a key
+    """
+    options = [
+        Option(section, name, field.description or "", field.annotation is bool,
+               cli_name=(field.json_schema_extra or {}).get("cli_name", name))
+        for section, model in sections.items()
+        for name, field in model.model_fields.items()
+    ]
+    return (
+        _unique(options, lambda option: option.dotted, "config key"),
+        _unique(options, lambda option: option.cli_name, "command-line name"),
+        _unique(options, lambda option: option.env, "environment variable"),
     )
-    for section, model in SECTIONS.items()
-    for name, field in model.model_fields.items()
-}
-OPTIONS_BY_ENV: Dict[str, Option] = {option.env: option for option in OPTIONS.values()}
+
+
+def _unique(options: List[Option], key_of: Callable[[Option], str], what: str) -> Dict[str, Option]:
+    # checked before each insert: a dict comprehension would keep the last option and drop the other unseen
+    index: Dict[str, Option] = {}
+    for option in options:
+        key = key_of(option)
+        if key in index:
+            raise ValueError(
+                f"{index[key].dotted} and {option.dotted} share the {what} {key!r}; "
+                f"give one of them its own json_schema_extra={{'cli_name': ...}}"
+            )
+        index[key] = option
+    return index
+
+
+# OPTIONS: "training.batch_size" -> Option; OPTIONS_BY_CLI: the flag without dashes ("batch_size", and
+# "averaging" for averaging.strategy) -> Option, also click's parameter name; OPTIONS_BY_ENV: "PEER_BATCH_SIZE".
+OPTIONS, OPTIONS_BY_CLI, OPTIONS_BY_ENV = index_options(SECTIONS)
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 
 
@@ -165,33 +194,33 @@ def load_config(
 ) -> PeerConfig:
     """Resolve defaults < file < environment < flags into a validated PeerConfig.
 
-    :param flags: option name (e.g. "batch_size") -> value, only for flags given explicitly
+    :param flags: command-line name (OPTIONS_BY_CLI, e.g. "batch_size") -> value, only for flags given explicitly
     :raises ConfigError: listing every problem found
     """
     problems: List[str] = []
     values: Dict[str, Dict[str, Any]] = {section: {} for section in SECTIONS}
     sources: Dict[Tuple[str, str], str] = {}
 
-    def assign(name: str, value: Any, source: str) -> None:
-        option = OPTIONS[name]
-        values[option.section][name] = value
-        sources[(option.section, name)] = source
+    def assign(option: Option, value: Any, source: str) -> None:
+        values[option.section][option.name] = value
+        sources[(option.section, option.name)] = source
 
     if config_file is not None:
-        for name, value in _read_config_file(Path(config_file), problems).items():
-            assign(name, value, f"config file {config_file}")
+        for option, value in _read_config_file(Path(config_file), problems):
+            assign(option, value, f"config file {config_file}")
 
     for key in sorted(environ):
         if not key.startswith(ENV_PREFIX) or key == CONFIG_FILE_ENV:
             continue
         if key in OPTIONS_BY_ENV:
-            assign(OPTIONS_BY_ENV[key].name, environ[key], f"env {key}")
+            assign(OPTIONS_BY_ENV[key], environ[key], f"env {key}")
         else:
             known = [option.env for option in OPTIONS.values()] + [CONFIG_FILE_ENV]
             problems.append(f"{key}: unknown environment variable{_did_you_mean(key, known)}; unset it or fix its name")
 
     for name, value in flags.items():
-        assign(name, value, f"flag {OPTIONS[name].flag}")
+        option = OPTIONS_BY_CLI[name]
+        assign(option, value, f"flag {option.flag}")
 
     try:
         config = PeerConfig.model_validate(values)
@@ -203,13 +232,13 @@ def load_config(
     return config
 
 
-def _read_config_file(path: Path, problems: List[str]) -> Dict[str, Any]:
-    """Parse a TOML/YAML file of [section] tables into option name -> value."""
+def _read_config_file(path: Path, problems: List[str]) -> List[Tuple[Option, Any]]:
+    """Parse a TOML/YAML file of [section] tables into (option, value) pairs."""
     try:
         text = path.read_text()
     except OSError as e:
         problems.append(f"--config: cannot read {path} ({e.strerror or e}); check the path and its permissions")
-        return {}
+        return []
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)
@@ -217,16 +246,16 @@ def _read_config_file(path: Path, problems: List[str]) -> Dict[str, Any]:
             data = yaml.safe_load(text) or {}
         else:
             problems.append(f"--config: {path} must end in .toml, .yaml or .yml (got {path.suffix or 'no suffix'!r})")
-            return {}
+            return []
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         problems.append(f"--config: {path} is not valid {path.suffix[1:].upper()}: {' '.join(str(e).split())}")
-        return {}
+        return []
     if not isinstance(data, dict):
         problems.append(f"--config: {path} must contain a mapping of sections, got {type(data).__name__}")
-        return {}
+        return []
 
-    result: Dict[str, Any] = {}
-    all_keys = list(SECTIONS) + [option.dotted for option in OPTIONS.values()]
+    result: List[Tuple[Option, Any]] = []
+    all_keys = list(SECTIONS) + list(OPTIONS)
     for section, table in data.items():
         if section not in SECTIONS:
             problems.append(f"{path}: unknown key {section!r}{_did_you_mean(section, all_keys)}")
@@ -235,11 +264,11 @@ def _read_config_file(path: Path, problems: List[str]) -> Dict[str, Any]:
             problems.append(f"{path}: [{section}] must be a table of settings, got {type(table).__name__}")
             continue
         for name, value in table.items():
-            option = OPTIONS.get(name)
-            if option is None or option.section != section:
-                problems.append(f"{path}: unknown key '{section}.{name}'{_did_you_mean(f'{section}.{name}', all_keys)}")
+            key = f"{section}.{name}"
+            if key not in OPTIONS:
+                problems.append(f"{path}: unknown key '{key}'{_did_you_mean(key, all_keys)}")
                 continue
-            result[name] = value
+            result.append((OPTIONS[key], value))
     return result
 
 
@@ -254,9 +283,9 @@ def _describe(error: Dict[str, Any], sources: Dict[Tuple[str, str], str]) -> str
     """Turn one pydantic error into 'field = value (from source): rule; fix'."""
     loc = tuple(str(part) for part in error["loc"])
     message = error["msg"].removeprefix("Value error, ")
-    if len(loc) < 2 or loc[1] not in OPTIONS:
+    option = OPTIONS.get(".".join(loc[:2])) if len(loc) >= 2 else None  # loc is (section, field, ...)
+    if option is None:
         return message  # a cross-field rule: its message already names the options
-    option = OPTIONS[loc[1]]
     source = sources.get((option.section, option.name), "default")
     where = {"flag": f"fix {option.flag}", "env": f"fix or unset {option.env}"}.get(
         source.split()[0], f"fix {option.dotted} in {source.removeprefix('config file ')}"

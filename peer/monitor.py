@@ -13,11 +13,12 @@ from typing import Any
 
 import click
 
+from peer.exit_codes import ExitCode
 from peer.options import config_options_for, resolve_config
 
 logger = logging.getLogger("peer.monitor")
 
-MONITOR_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "target_batch_size", "metrics_port",
+MONITOR_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "swarm_key", "target_batch_size", "metrics_port",
                   "metrics_host", "health_window_seconds", "log_format", "verbose"]
 
 
@@ -35,10 +36,10 @@ def monitor(ctx: click.Context, refresh_seconds: float, timeout_seconds: float, 
     if not config.dht.initial_peers:
         click.echo("error: peer monitor needs --initial-peers or --initial-peers-file: "
                    "the address of any peer or bootstrap node of the swarm", err=True)
-        ctx.exit(2)
+        ctx.exit(ExitCode.BAD_INPUT)
     if config.monitoring.metrics_port == "off":
         click.echo("error: --metrics-port off: the monitor exists to serve metrics; give it a port", err=True)
-        ctx.exit(2)
+        ctx.exit(ExitCode.BAD_INPUT)
     ctx.exit(run_monitor(config, refresh_seconds, timeout_seconds))
 
 
@@ -68,7 +69,7 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
             port = exporter.start()
         except MetricsPortInUseError as e:
             click.echo(f"error: {e}", err=True)
-            return 2
+            return ExitCode.BAD_INPUT
         logger.info(f"swarm metrics on http://{config.monitoring.metrics_host}:{port}/metrics")
         dht = join_as_client(config, timeout_seconds)
         stop.install_handlers()  # hivemind may have replaced SIGINT while starting
@@ -80,10 +81,10 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
             except SwarmUnreachable as e:  # keep serving the last snapshot; /healthz tells the age
                 logger.warning(str(e))
             stop.wait(refresh_seconds)
-        return 0
+        return ExitCode.OK
     except SwarmUnreachable as e:
         click.echo(f"error: {e}", err=True)
-        return 1
+        return ExitCode.FAILED
     finally:
         silence_hivemind()
         if not config.logging.verbose:

@@ -13,27 +13,31 @@ from typing import Any, Callable, Dict, Iterable, Optional
 import click
 from click.core import ParameterSource
 
-from peer.config import CONFIG_FILE_ENV, OPTIONS, ConfigError, PeerConfig, load_config
+from peer.exit_codes import ExitCode
+from peer.config import CONFIG_FILE_ENV, OPTIONS_BY_CLI, ConfigError, PeerConfig, load_config
 
-EXIT_BAD_INPUT = 2
 
 
 def config_options_for(names: Optional[Iterable[str]] = None) -> Callable[[Callable], Callable]:
-    """Decorate a command with --config and the flags of the given config fields (default: all).
+    """Decorate a command with --config and the flags of the given options (default: all).
 
     Fields without a flag on that command keep their defaults, config-file values and PEER_*
     variables; the resolved config is always a whole, validated PeerConfig.
+
+    :param names: command-line names without dashes (keys of OPTIONS_BY_CLI, e.g. "batch_size")
     """
-    selected = [OPTIONS[name] for name in (names if names is not None else OPTIONS)]
+    selected = [OPTIONS_BY_CLI[name] for name in (names if names is not None else OPTIONS_BY_CLI)]
 
     def decorate(command: Callable) -> Callable:
+        # the parameter is named by cli_name, which is unique, unlike field names across sections
         for option in reversed(selected):
             help_text = f"{option.help} [env: {option.env}; config: {option.dotted}]"
             if option.is_bool:
                 decls = [f"{option.flag}/--no-{option.flag[2:]}"]
-                command = click.option(*decls, option.name, default=None, help=help_text)(command)
+                command = click.option(*decls, option.cli_name, default=None, help=help_text)(command)
             else:
-                command = click.option(option.flag, option.name, default=None, metavar="VALUE", help=help_text)(command)
+                command = click.option(option.flag, option.cli_name, default=None, metavar="VALUE",
+                                       help=help_text)(command)
         return click.option(
             "--config",
             "config_file",
@@ -51,11 +55,11 @@ def resolve_config(ctx: click.Context, params: Dict[str, Any]) -> PeerConfig:
     flags = {
         name: value
         for name, value in params.items()
-        if name in OPTIONS and ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
+        if name in OPTIONS_BY_CLI and ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
     }
     try:
         return load_config(params.get("config_file"), dict(os.environ), flags)
     except ConfigError as e:
         for problem in e.problems:
             click.echo(f"error: {problem}", err=True)
-        ctx.exit(EXIT_BAD_INPUT)
+        ctx.exit(ExitCode.BAD_INPUT)

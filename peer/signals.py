@@ -10,11 +10,11 @@ import os
 import signal
 import threading
 
+from peer.exit_codes import ExitCode
 from peer.lifeline import kill_descendants
 
 logger = logging.getLogger(__name__)
 
-EXIT_ON_SECOND_SIGNAL = 130
 
 
 def start_shared_memory_manager() -> None:
@@ -58,6 +58,6 @@ class StopRequest:
         if self:
             logger.warning(f"second {name}: exiting now, without the rest of the shutdown")
             kill_descendants()
-            os._exit(EXIT_ON_SECOND_SIGNAL)
+            os._exit(ExitCode.SECOND_SIGNAL)
         logger.warning(f"{name} received: {self.first_signal_does} (send it again to exit at once)")
         self.set(name)

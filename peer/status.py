@@ -18,11 +18,11 @@ from typing import Any, Dict, List, Optional
 
 import click
 
+from peer.exit_codes import ExitCode
 from peer.options import config_options_for, resolve_config
 from peer.config import PeerConfig
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-STATUS_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "target_batch_size", "verbose"]
+STATUS_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "swarm_key", "target_batch_size", "verbose"]
 SHORT_ID_CHARS = 8
 
 
@@ -45,7 +45,7 @@ def status(ctx: click.Context, as_json: bool, watch: Optional[float], timeout_se
     if not config.dht.initial_peers:
         click.echo("error: peer status needs --initial-peers or --initial-peers-file: "
                    "the address of any peer or bootstrap node of the swarm", err=True)
-        ctx.exit(EXIT_BAD_INPUT)
+        ctx.exit(ExitCode.BAD_INPUT)
     ctx.exit(run_status(config, as_json, watch, timeout_seconds))
 
 
@@ -67,14 +67,14 @@ def run_status(config: PeerConfig, as_json: bool, watch: Optional[float], timeou
             else:
                 print_table(report, clear=watch is not None)
             if watch is None:
-                return EXIT_OK
+                return ExitCode.OK
             time.sleep(watch)
             deadline = time.monotonic() + timeout_seconds
     except SwarmUnreachable as e:
         click.echo(f"error: {e}", err=True)
-        return EXIT_FAILED
+        return ExitCode.FAILED
     except KeyboardInterrupt:  # the way out of --watch
-        return EXIT_OK
+        return ExitCode.OK
     finally:
         silence_hivemind()
         if not config.logging.verbose:
@@ -83,17 +83,19 @@ def run_status(config: PeerConfig, as_json: bool, watch: Optional[float], timeou
 
 
 def join_as_client(config: PeerConfig, timeout_seconds: float):
-    from dht.node import DHTStartError, one_line, start_dht
-    from dht.records import record_validators
     from hivemind.dht.schema import SchemaValidator
     from hivemind.optim.progress_tracker import TrainingProgressSchema
+
+    from dht.keys import SwarmKeys
+    from dht.node import DHTStartError, one_line, start_dht
+    from dht.records import record_validators
 
     dht_config = config.dht.model_copy(
         update=dict(client_mode=True, startup_attempts=1, startup_timeout_seconds=timeout_seconds, identity=None)
     )
     # hivemind's validators strip signatures on read; without them signed values would not parse
-    validators = [*record_validators(config.training.run_id),
-                  SchemaValidator(TrainingProgressSchema, prefix=config.training.run_id)]
+    keys = SwarmKeys.for_run(config.training.run_id, config.dht.swarm_key)
+    validators = [*record_validators(config.training.run_id), SchemaValidator(TrainingProgressSchema, prefix=keys.namespace)]
     try:
         return start_dht(dht_config, record_validators=validators)
     except DHTStartError as e:
@@ -108,12 +110,13 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float) -> Dict[str, Any
     """One snapshot: {"swarm": totals, "peers": one dict per live peer}."""
     from hivemind.utils import get_dht_time
 
+    from dht.keys import SwarmKeys
     from dht.records import read_peer_infos
 
     run_id = config.training.run_id
     try:
         infos = read_peer_infos(dht, run_id, timeout_seconds)
-        progress = read_progress(dht, run_id, timeout_seconds)
+        progress = read_progress(dht, SwarmKeys.for_run(run_id, config.dht.swarm_key).progress, timeout_seconds)
     except Exception as e:  # a timeout or a DHT that went away: the swarm is not readable
         raise SwarmUnreachable(f"could not read the swarm's records within {timeout_seconds:.0f}s "
                                f"({type(e).__name__}); check the address, or raise --timeout-seconds") from e
@@ -132,12 +135,12 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float) -> Dict[str, Any
     return {"swarm": swarm, "peers": peers}
 
 
-def read_progress(dht, run_id: str, timeout_seconds: float) -> List[Any]:
-    """Live entries of hivemind's progress record (one per training peer)."""
+def read_progress(dht, progress_key: str, timeout_seconds: float) -> List[Any]:
+    """Live entries of hivemind's progress record (one per training peer); with a swarm key, the key is keyed too."""
     from hivemind.optim.progress_tracker import LocalTrainingProgress
     from hivemind.utils import get_dht_time
 
-    found = dht.get(f"{run_id}_progress", latest=True, return_future=True).result(timeout=timeout_seconds)
+    found = dht.get(progress_key, latest=True, return_future=True).result(timeout=timeout_seconds)
     if found is None or not isinstance(found.value, dict):
         return []
     now, entries = get_dht_time(), []

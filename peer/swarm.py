@@ -20,6 +20,7 @@ from typing import List, Optional
 import click
 
 from peer.config import PeerConfig
+from peer.exit_codes import ExitCode
 
 JOIN_LINE = re.compile(r"--initial-peers (\S+)")
 BOOTSTRAP_TIMEOUT_SECONDS = 180.0
@@ -134,5 +135,5 @@ def _wait_all(peers: List[LocalPeer]) -> int:
     failed = [name for name, code in codes.items() if code != 0]
     if failed:
         click.echo(f"[swarm] failed: {', '.join(failed)}", err=True)
-        return 1
-    return 0
+        return ExitCode.FAILED
+    return ExitCode.OK

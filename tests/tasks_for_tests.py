@@ -119,7 +119,7 @@ def make_nan_gradients_task() -> Task:
 
     import hivemind
 
-    from averaging.optimizer import SwarmOptimizer
+    from averaging.sync import SyncOptimizer
     from peer.tasks import load_task
 
     mode = os.environ.get("POISON", "own")
@@ -131,14 +131,14 @@ def make_nan_gradients_task() -> Task:
         state["poison_this_batch"] = mode == "send" or not state["last_checked_was_poisoned"]
         return _NaNGradient.apply(loss) if state["poison_this_batch"] else loss
 
-    guarded_check = SwarmOptimizer._check_and_accumulate_gradients
+    guarded_check = SyncOptimizer._check_and_accumulate_gradients
     check = hivemind.Optimizer._check_and_accumulate_gradients if mode == "send" else guarded_check
 
     def recording_check(self, batch_size, grad_scaler):
         state["last_checked_was_poisoned"] = state["poison_this_batch"]
         return check(self, batch_size, grad_scaler)
 
-    SwarmOptimizer._check_and_accumulate_gradients = recording_check
+    SyncOptimizer._check_and_accumulate_gradients = recording_check
     return dataclasses.replace(base, loss_fn=poisoned_loss)
 
 

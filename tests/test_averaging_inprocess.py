@@ -8,12 +8,13 @@ from typing import List, Optional
 import hivemind
 import pytest
 import torch
-from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from averaging.api import AveragingHooks, Replica
 from averaging.config import AveragingConfig
 from averaging.diloco import DiLoCoOptimizer, outer_nesterov_step_
-from averaging.optimizer import AveragingHooks, Replica, build_swarm_optimizer
+from averaging.factory import build_swarm_optimizer
+from dht.keys import SwarmKeys
 from tests.peers import wait_until
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
@@ -26,17 +27,10 @@ def start_dhts(count: int) -> List[hivemind.DHT]:
     return [first, *others]
 
 
-def announce(optimizer) -> None:
-    """Make this peer visible to the others' progress trackers before it has any samples (as the trainer does)."""
-    tracker = optimizer.tracker
-    tracker.dht.store(tracker.training_progress_key, subkey=tracker._local_public_key,
-                      value=tracker.local_progress.dict(), expiration_time=get_dht_time() + 30)
-
-
 def make_diloco(config, dht, model, hooks: Optional[AveragingHooks] = None) -> DiLoCoOptimizer:
     return DiLoCoOptimizer(
         config,
-        Replica(dht=dht, run_id="diloco_math", params=model.parameters(),
+        Replica(dht=dht, keys=SwarmKeys.for_run("diloco_math"), params=model.parameters(),
                 optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.0),  # inner steps change nothing
                 batch_size=4, client_mode=False, hooks=hooks or AveragingHooks()),
         # progress records are keyed by a signing key that is process-wide by default: one per peer here
@@ -96,9 +90,9 @@ def test_two_diloco_peers_apply_exactly_the_outer_nesterov_update_and_a_newcomer
         assert all(isinstance(peer, DiLoCoOptimizer) for peer in peers)
 
         def visible() -> bool:
-            for peer in peers:
-                announce(peer)
-            return all(peer.tracker.global_progress.num_peers == 2 for peer in peers)
+            for peer in peers:  # visible to the others before it has any samples, as at the start gate
+                peer.announce()
+            return all(peer.swarm_view().peers == 2 for peer in peers)
 
         wait_until(visible, 60, interval=1.0, message="both trackers to see both peers")
 
@@ -152,7 +146,7 @@ def test_offloaded_optimizer_state_is_in_host_memory_and_updates_reach_the_model
         config = AveragingConfig(target_batch_size=8, matchmaking_seconds=1.0, averaging_timeout_seconds=10.0,
                                  offload_optimizer=True, delay_updates=delay)
         optimizer = build_swarm_optimizer(config, Replica(
-            dht=dht, run_id="offload", params=model.parameters(),
+            dht=dht, keys=SwarmKeys.for_run("offload"), params=model.parameters(),
             optimizer_factory=lambda params: torch.optim.Adam(params, lr=0.05), batch_size=8, client_mode=False,
         ))
         inner = optimizer.state_averager.optimizer
@@ -199,7 +193,7 @@ def test_a_state_download_that_gets_nothing_is_a_failure_not_a_success(strategy:
         config = AveragingConfig(strategy=strategy, target_batch_size=8, matchmaking_seconds=1.0,
                                  averaging_timeout_seconds=5.0, load_state_timeout_seconds=5.0)
         optimizer = build_swarm_optimizer(config, Replica(
-            dht=dht, run_id=f"alone_{strategy}", params=model.parameters(),
+            dht=dht, keys=SwarmKeys.for_run(f"alone_{strategy}"), params=model.parameters(),
             optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=4, client_mode=False,
             hooks=AveragingHooks(state_loaded=loaded_epochs.append),
         ))
@@ -224,7 +218,7 @@ def test_a_busy_peer_gets_a_quarter_of_the_round_timeout_per_chunk_not_one_match
     try:
         config = AveragingConfig(target_batch_size=8, matchmaking_seconds=1.0, averaging_timeout_seconds=10.0)
         optimizer = build_swarm_optimizer(config, Replica(
-            dht=dht, run_id="chunks", params=torch.nn.Linear(4, 1).parameters(),
+            dht=dht, keys=SwarmKeys.for_run("chunks"), params=torch.nn.Linear(4, 1).parameters(),
             optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=4, client_mode=False,
         ))
         for averager in (optimizer.grad_averager, optimizer.state_averager):

@@ -5,10 +5,17 @@ import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
+from averaging import hivemind_compat
 from averaging.compression import make_codec, payload_bytes, powersgd_factors, round_payload_bytes
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines
 from peer.config import ConfigError, load_config
+
+
+@pytest.fixture(autouse=True, scope="module")
+def numpy2_decoding():
+    """The 8-bit codecs decode only with hivemind_compat's numpy 2 fix, as in every peer."""
+    hivemind_compat.install()
 
 
 def real_tensors():
@@ -77,11 +84,11 @@ def test_unknown_codec_names_the_choices():
                                        "--grad-compression: unknown codec; choose one of none, fp16"),
         ({"state_compression": "blockwise8"}, "pip install 'swarmtrain[bitsandbytes]'"),
         ({"adaptive_large_codec": "blockwise8"}, "pip install 'swarmtrain[bitsandbytes]'"),
-        ({"strategy": "gossip"}, "--averaging (averaging.strategy) = 'gossip'"),
+        ({"averaging": "gossip"}, "--averaging (averaging.strategy) = 'gossip'"),
         ({"delay_updates": True}, "--delay-updates needs --offload-optimizer"),
-        ({"delay_updates": True, "offload_optimizer": True, "strategy": "diloco"},
+        ({"delay_updates": True, "offload_optimizer": True, "averaging": "diloco"},
          "--delay-updates does not work with --averaging diloco"),
-        ({"offload_optimizer": True, "strategy": "local-sgd"}, "--offload-optimizer does not work with --averaging local-sgd"),
+        ({"offload_optimizer": True, "averaging": "local-sgd"}, "--offload-optimizer does not work with --averaging local-sgd"),
         ({"average_opt_statistics": "exp_avg,exp-avg"}, "--average-opt-statistics"),
         ({"matchmaking_seconds": "soon"}, "must be a number of seconds > 0 or 'auto'"),
         ({"averaging_timeout_seconds": "-1"}, "--averaging-timeout-seconds"),
@@ -105,7 +112,7 @@ def test_bad_averaging_config_is_one_line_naming_the_flag(flags, expected):
 def test_auto_deadlines_and_lists_parse_from_every_source(tmp_path):
     config_file = tmp_path / "peer.toml"
     config_file.write_text("[averaging]\nmatchmaking_seconds = 'auto'\naverage_opt_statistics = ['exp_avg']\n")
-    config = load_config(config_file, {"PEER_AVERAGING_TIMEOUT_SECONDS": "auto"}, {"strategy": "local-sgd"})
+    config = load_config(config_file, {"PEER_AVERAGING_TIMEOUT_SECONDS": "auto"}, {"averaging": "local-sgd"})
     assert config.averaging.matchmaking_seconds == "auto" and config.averaging.averaging_timeout_seconds == "auto"
     assert config.averaging.seconds("matchmaking_seconds") is None
     assert config.averaging.average_opt_statistics == ["exp_avg"]

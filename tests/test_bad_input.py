@@ -15,7 +15,7 @@ from typing import Callable, Dict, List
 import pytest
 
 from peer.cli import main
-from peer.config import OPTIONS
+from peer.config import OPTIONS_BY_CLI
 from tests.peers import REPO_ROOT
 
 
@@ -25,7 +25,7 @@ def _file(tmp: Path, name: str, content: str) -> str:
     return str(path)
 
 
-# option name -> functions of a temp dir returning a bad value for it
+# command-line name (OPTIONS_BY_CLI) -> functions of a temp dir returning a bad value for it
 BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "run_id": [lambda t: "has space", lambda t: "dots.are.not.allowed"],
     "task": [lambda t: ""],
@@ -60,7 +60,7 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "metrics_port": [lambda t: "70000", lambda t: "on"],
     "metrics_host": [lambda t: "not a host!"],
     "health_window_seconds": [lambda t: "0"],
-    "strategy": [lambda t: "gossip"],
+    "averaging": [lambda t: "gossip"],
     "matchmaking_seconds_min": [lambda t: "0"],
     "matchmaking_seconds_max": [lambda t: "-3"],
     "averaging_timeout_seconds_min": [lambda t: "0"],
@@ -82,7 +82,7 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
 
 CASES = [(name, index) for name in sorted(BAD_VALUES) for index in range(len(BAD_VALUES[name]))]
 # a boolean flag takes no value: its bad values come through the environment or a config file
-FLAG_CASES = [(name, index) for name, index in CASES if not OPTIONS[name].is_bool]
+FLAG_CASES = [(name, index) for name, index in CASES if not OPTIONS_BY_CLI[name].is_bool]
 
 
 @pytest.fixture(autouse=True)
@@ -113,19 +113,19 @@ def assert_one_line_error(code, output: str, *must_contain: str) -> None:
 
 
 def test_every_option_is_in_the_matrix():
-    assert sorted(OPTIONS) == sorted(BAD_VALUES)
+    assert sorted(OPTIONS_BY_CLI) == sorted(BAD_VALUES)
 
 
 @pytest.mark.parametrize("name, index", FLAG_CASES)
 def test_bad_flag(capsys, tmp_path, name, index):
-    option = OPTIONS[name]
+    option = OPTIONS_BY_CLI[name]
     code, output = run_cli(capsys, ["start", option.flag, BAD_VALUES[name][index](tmp_path)])
     assert_one_line_error(code, output, option.flag)
 
 
 @pytest.mark.parametrize("name, index", CASES)
 def test_bad_environment_variable(capsys, tmp_path, monkeypatch, name, index):
-    option = OPTIONS[name]
+    option = OPTIONS_BY_CLI[name]
     monkeypatch.setenv(option.env, BAD_VALUES[name][index](tmp_path))
     code, output = run_cli(capsys, ["start"])
     assert_one_line_error(code, output, option.flag, option.env)
@@ -133,7 +133,7 @@ def test_bad_environment_variable(capsys, tmp_path, monkeypatch, name, index):
 
 @pytest.mark.parametrize("name", sorted(BAD_VALUES))
 def test_bad_config_file_value(capsys, tmp_path, name):
-    option = OPTIONS[name]
+    option = OPTIONS_BY_CLI[name]
     value = BAD_VALUES[name][0](tmp_path)
     config = tmp_path / "peer.toml"
     config.write_text(f"[{option.section}]\n{option.name} = {value!r}\n".replace("'", '"'))
@@ -224,3 +224,11 @@ def test_metrics_port_in_use_exits_2(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert f"metrics port {port} on 0.0.0.0 is already in use" in output and "Traceback" not in output
+
+
+@pytest.mark.parametrize("command", ["status", "monitor"])
+def test_status_and_monitor_take_and_check_the_swarm_key(capsys, tmp_path, command):
+    """Both read a keyed swarm's progress, so both take --swarm-key, checked like peer start's."""
+    code, output = run_cli(capsys, [command, "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--swarm-key",
+                                    str(tmp_path / "missing.key")])
+    assert_one_line_error(code, output, "--swarm-key", "missing.key")

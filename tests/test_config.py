@@ -6,9 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
+import peer.config
 from peer.cli import main
-from peer.config import OPTIONS, ConfigError, PeerConfig, load_config
+from peer.config import OPTIONS, OPTIONS_BY_CLI, ConfigError, PeerConfig, index_options, load_config
 from tests.peers import REPO_ROOT
 
 
@@ -100,6 +102,72 @@ def test_every_option_has_help_and_a_unique_flag():
                      "--checkpoint-dir", "--checkpoint-every-epochs", "--metrics-port", "--summary-json",
                      "--log-format", "--verbose", "--matchmaking-seconds", "--averaging-timeout-seconds"]:
         assert required in flags
+
+
+def test_options_are_keyed_by_section_and_field():
+    assert OPTIONS["training.batch_size"] is OPTIONS_BY_CLI["batch_size"]
+    assert OPTIONS["averaging.strategy"] is OPTIONS_BY_CLI["averaging"]
+    assert "strategy" not in OPTIONS_BY_CLI
+
+
+class _Fetch(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    timeout_seconds: float = Field(default=1.0, gt=0, json_schema_extra={"cli_name": "fetch_timeout_seconds"})
+
+
+class _Upload(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    timeout_seconds: float = Field(default=2.0, gt=0, json_schema_extra={"cli_name": "upload_timeout_seconds"})
+
+
+class _TwoSections(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    fetch: _Fetch = _Fetch()
+    upload: _Upload = _Upload()
+
+
+def test_two_sections_may_share_a_field_name(tmp_path: Path, monkeypatch):
+    sections = {"fetch": _Fetch, "upload": _Upload}
+    options, by_cli, by_env = index_options(sections)
+    assert sorted(options) == ["fetch.timeout_seconds", "upload.timeout_seconds"]
+    assert by_cli["upload_timeout_seconds"].dotted == "upload.timeout_seconds"
+    assert by_env["PEER_FETCH_TIMEOUT_SECONDS"].dotted == "fetch.timeout_seconds"
+    # load_config reads the module's schema and indexes; swap in the two-section ones
+    for name, value in [("SECTIONS", sections), ("OPTIONS", options), ("OPTIONS_BY_CLI", by_cli),
+                        ("OPTIONS_BY_ENV", by_env), ("PeerConfig", _TwoSections)]:
+        monkeypatch.setattr(peer.config, name, value)
+
+    config_file = tmp_path / "peer.toml"
+    config_file.write_text("[fetch]\ntimeout_seconds = 3\n[upload]\ntimeout_seconds = 4\n")
+    config = load_config(config_file)
+    assert (config.fetch.timeout_seconds, config.upload.timeout_seconds) == (3, 4)
+    config = load_config(config_file, {"PEER_FETCH_TIMEOUT_SECONDS": "5"}, {"upload_timeout_seconds": "6"})
+    assert (config.fetch.timeout_seconds, config.upload.timeout_seconds) == (5, 6)
+    with pytest.raises(ConfigError) as error:
+        load_config(config_file, flags={"upload_timeout_seconds": "0"})
+    assert error.value.problems == [
+        "--upload-timeout-seconds (upload.timeout_seconds) = '0' from flag --upload-timeout-seconds: "
+        "Input should be greater than 0; fix --upload-timeout-seconds"
+    ]
+
+
+def test_two_options_with_one_cli_name_are_refused_naming_both():
+    """Checked before each insert: naming both options means neither was dropped by an overwrite."""
+    class Clash(BaseModel):
+        timeout_seconds: float = Field(default=1.0, json_schema_extra={"cli_name": "fetch_timeout_seconds"})
+
+    with pytest.raises(ValueError) as error:
+        index_options({"fetch": _Fetch, "clash": Clash})
+    message = str(error.value)
+    assert "fetch.timeout_seconds and clash.timeout_seconds share the command-line name 'fetch_timeout_seconds'" in message
+
+    class Plain(BaseModel):  # no cli_name: the field name is the flag, as in a second section that forgot one
+        timeout_seconds: float = 1.0
+
+    with pytest.raises(ValueError) as error:
+        index_options({"fetch": Plain, "upload": Plain})
+    assert "fetch.timeout_seconds and upload.timeout_seconds share the command-line name 'timeout_seconds'" in str(
+        error.value)
 
 
 def test_cli_exits_2_with_one_line_per_problem(capsys, monkeypatch):

@@ -25,8 +25,8 @@ from dht.records import (
     SwarmRecordsSchema,
     read_peer_infos,
     record_validators,
-    records_key,
 )
+from dht.keys import peers_key
 from dht.node import shutdown_dht, visible_maddrs
 
 RUN_ID = "records-test"
@@ -56,7 +56,7 @@ def chain(signer: RSASignatureValidator) -> CompositeValidator:
 
 def signed_record(signer: RSASignatureValidator, owner: bytes, value, expiration_time: float = None) -> DHTRecord:
     record = DHTRecord(
-        key=DHTID.generate(source=records_key(RUN_ID)).to_bytes(),
+        key=DHTID.generate(source=peers_key(RUN_ID)).to_bytes(),
         subkey=MSGPackSerializer.dumps(owner),
         value=MSGPackSerializer.dumps(value),
         expiration_time=expiration_time if expiration_time is not None else get_dht_time() + 15,
@@ -108,7 +108,7 @@ def test_oversized_value_is_rejected_even_when_it_fits_the_schema(victim):
     big = peer_info(maddrs=["/ip4/127.0.0.1/tcp/1/" + "x" * 230] * 16, fractions={f"phase{i}": 0.1 for i in range(40)})
     assert len(MSGPackSerializer.dumps(big)) > MAX_VALUE_BYTES
     assert SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID).validate(
-        DHTRecord(DHTID.generate(source=records_key(RUN_ID)).to_bytes(), MSGPackSerializer.dumps(victim.local_public_key),
+        DHTRecord(DHTID.generate(source=peers_key(RUN_ID)).to_bytes(), MSGPackSerializer.dumps(victim.local_public_key),
                   MSGPackSerializer.dumps(big), get_dht_time() + 15)
     ), "the schema alone would accept it"
     assert not chain(victim).validate(signed_record(victim, victim.local_public_key, big))
@@ -134,7 +134,7 @@ def test_forger_cannot_overwrite_or_pollute_across_real_nodes(victim):
         forging = [SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID), RecordLimitsValidator(RUN_ID), AlwaysSigns(forger_key)]
         forging_node = DHT(initial_peers=visible_maddrs(honest), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
                            record_validators=forging)
-        key, own_subkey = records_key(RUN_ID), RSASignatureValidator().local_public_key  # the honest node's key
+        key, own_subkey = peers_key(RUN_ID), RSASignatureValidator().local_public_key  # the honest node's key
         forger_subkey = AlwaysSigns(forger_key).local_public_key
 
         def store(node, subkey, value, ttl=15.0) -> bool:

@@ -67,6 +67,37 @@ def test_status_lists_both_peers_of_a_swarm(spawn, tmp_path: Path):
     assert "swarm: 2 peers" in table.stdout and "/256 samples" in table.stdout
 
 
+@pytest.mark.timeout(240)
+def test_status_with_the_swarm_key_shows_a_keyed_swarms_progress_and_eta(spawn, tmp_path: Path):
+    """With --swarm-key, progress records live under a keyed name: status must read them there."""
+    key = tmp_path / "swarm.key"
+    key.write_text("a-shared-secret-for-the-swarm")
+    target = "100000"  # never reached: samples keep accumulating toward it while status reads them
+    first = start_peer(spawn, tmp_path, "a", "--swarm-key", str(key), "--target-batch-size", target,
+                       "--max-seconds", "150")
+    address = first.join_address()
+
+    def status(*extra: str) -> dict:
+        done = run_peer(tmp_path, "status", "--json", "--initial-peers", address, "--target-batch-size", target,
+                        "--timeout-seconds", "20", *extra, timeout=20 + PYTHON_START_SECONDS)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout)["swarm"]
+
+    swarm = {}
+
+    def progress_shown() -> bool:
+        nonlocal swarm
+        swarm = status("--swarm-key", str(key))
+        return swarm["training_peers"] == 1 and swarm["samples_accumulated"] > 0
+
+    wait_until(progress_shown, 150, interval=1.0, message="peer status --swarm-key to show the peer's progress")
+    assert swarm["peers"] == 1 and 0.0 < swarm["progress"] < 1.0
+    assert swarm["eta_next_epoch_seconds"] is not None and swarm["eta_next_epoch_seconds"] > 0
+    # without the key the same swarm shows its peer (PeerInfo records are open) but no progress and no ETA
+    blind = status()
+    assert blind["peers"] == 1 and blind["training_peers"] == 0 and blind["eta_next_epoch_seconds"] is None
+
+
 @pytest.mark.timeout(120)
 def test_status_exits_1_with_one_line_when_the_swarm_is_unreachable(tmp_path: Path):
     done = run_peer(tmp_path, "status", "--initial-peers", UNREACHABLE, "--timeout-seconds", "5",

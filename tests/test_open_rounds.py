@@ -8,8 +8,8 @@ import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
 
-from averaging import open_rounds
-from averaging.open_rounds import RoundAbandoner, track_open_rounds
+from averaging import hivemind_compat
+from averaging.open_rounds import RoundAbandoner
 from tests.peers import wait_until
 
 
@@ -39,7 +39,7 @@ def test_only_rounds_still_looking_for_a_group_after_the_grace_are_cancelled(mon
     running = FakeRound(AveragingStage.RUNNING_ALLREDUCE)
     finished = FakeRound(AveragingStage.LOOKING_FOR_GROUP, done=True)
     rounds = [looking, grouped, running, finished]
-    monkeypatch.setattr(open_rounds, "_open_rounds", weakref.WeakSet(rounds))
+    monkeypatch.setattr(hivemind_compat, "open_rounds", weakref.WeakSet(rounds))
     clock = FakeClock()
     abandoner = RoundAbandoner(leaving=lambda: True, grace_seconds=lambda: 2.0, clock=clock)
 
@@ -53,7 +53,7 @@ def test_only_rounds_still_looking_for_a_group_after_the_grace_are_cancelled(mon
 
 @pytest.mark.timeout(120)
 def test_a_leaving_peer_cancels_its_real_round_that_nobody_joins():
-    track_open_rounds()
+    hivemind_compat.install()
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     averager = abandoner = None
     try:
@@ -62,7 +62,7 @@ def test_a_leaving_peer_cancels_its_real_round_that_nobody_joins():
         )
         # alone, this round would look for a group for its whole timeout
         control = averager.step(timeout=60, wait=False)
-        assert control in set(open_rounds._open_rounds)
+        assert control in set(hivemind_compat.open_rounds)
         leaving = []
         abandoner = RoundAbandoner(leaving=lambda: bool(leaving), grace_seconds=lambda: 1.0, poll_seconds=0.1)
         abandoner.start()

@@ -5,9 +5,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from averaging.compression import round_payload_bytes
-from averaging.optimizer import RoundReport
+from averaging.api import RoundReport
 from monitoring import BottleneckClassifier, HealthCheck, PeerMetrics
-from peer.app import MetricsObserver
+from peer.builder import MetricsObserver
 from peer.config import load_config
 from peer.tasks import load_task
 

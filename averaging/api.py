@@ -1,0 +1,124 @@
+"""What the training loop may ask of an optimizer, whatever its averaging strategy.
+
+This is the bottom of the averaging package: plain data (RoundReport, SwarmView), the callbacks
+an optimizer reports through (AveragingHooks), what it is built for (Replica), and the
+SwarmOptimizer Protocol. The loop in peer/ uses these names and nothing else of averaging's
+internals: no tracker, no averager, no hivemind object. A strategy (averaging/sync.py,
+averaging/diloco.py) implements the Protocol; tests implement it with a fake.
+
+This module imports no hivemind and no strategy.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, runtime_checkable
+
+import torch
+
+from averaging.deadlines import Deadlines
+from dht.keys import SwarmKeys
+
+OUTCOMES = ("ok", "failed", "timeout", "skipped")
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """One averaging round as this peer saw it."""
+
+    outcome: str
+    """One of OUTCOMES."""
+    seconds: float
+    group_size: int
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    """The swarm's progress toward its next global epoch, as this peer last saw it."""
+
+    peers: int
+    """Training peers visible (this one included once it has reported)."""
+    samples_per_second: float
+    """This peer's own rate."""
+    samples_accumulated: int
+    """Samples the swarm has accumulated toward the target in the current global epoch."""
+    target_batch_size: int
+    global_epoch: int
+
+    @property
+    def swarm_samples_per_second(self) -> float:
+        """The swarm's rate, estimated as this peer's rate times the visible peers."""
+        return self.samples_per_second * max(1, self.peers)
+
+    @property
+    def progress_ratio(self) -> float:
+        return self.samples_accumulated / max(1, self.target_batch_size)
+
+
+@dataclass
+class AveragingHooks:
+    """Callbacks from the optimizer to whoever is watching; all optional."""
+
+    phase: Callable[[str], ContextManager] = lambda name: nullcontext()
+    """Context manager timing a blocking phase on the training thread (averaging, state_sync)."""
+    round_finished: Callable[[RoundReport], None] = lambda report: None
+    state_loaded: Callable[[int], None] = lambda epoch: None
+    """Called with the new local epoch after state was downloaded from peers."""
+
+
+@dataclass
+class Replica:
+    """What an optimizer of any strategy is built for: this peer's model and the swarm it trains with."""
+
+    dht: Any
+    """A started hivemind.DHT."""
+    keys: SwarmKeys
+    params: Iterable[torch.Tensor]
+    optimizer_factory: Callable
+    scheduler_factory: Optional[Callable] = None
+    batch_size: int = 1
+    client_mode: Optional[bool] = None
+    """None: the DHT's mode."""
+    hooks: AveragingHooks = field(default_factory=AveragingHooks)
+
+
+@runtime_checkable
+class SwarmOptimizer(Protocol):
+    """Exactly what the training loop uses. Every strategy implements it."""
+
+    @property
+    def local_epoch(self) -> int:
+        """The global epoch this peer's parameters belong to."""
+
+    @property
+    def scheduler(self) -> Optional[Any]:
+        """The task's LR scheduler (stepped once per global epoch), or None."""
+
+    @property
+    def deadlines(self) -> Deadlines:
+        """The matchmaking window and round timeout in force now (they adapt with 'auto')."""
+
+    def step(self, batch_size: Optional[int] = None) -> None:
+        """Account one local batch (gradients are in the parameters' .grad); may average or download."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def swarm_view(self, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
+        """The swarm's progress; with a timeout, fetched afresh first (waiting at most that long)."""
+
+    def announce(self) -> None:
+        """Publish this peer's progress record now, even with no samples yet, so that others count it."""
+
+    def load_state_from_peers(self) -> bool:
+        """Download the swarm's newest state, with bounded attempts; True if a peer's state was loaded."""
+
+    def wait_for_background_updates(self) -> None:
+        """Apply any in-flight background update, so that the parameters are final (before a checkpoint)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+    def shutdown(self, timeout_seconds: float = 10.0) -> None:
+        """Leave the swarm: stop the background processes, with bounded waits."""

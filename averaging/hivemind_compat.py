@@ -1,0 +1,247 @@
+"""The one seam to hivemind's internals: every patch we install, and a fingerprint of everything we copy or override.
+
+hivemind is pinned (PINNED_VERSION). Where its behaviour is wrong for us, we either subclass it
+(averaging/sync.py, averaging/state.py) or patch its classes here. Both depend on upstream code
+we have read; UPSTREAM lists every such function with a fingerprint of its source, and the module
+of ours that depends on it. After an upgrade, `changed_upstream()` names each one to re-read, and
+`install()` refuses to run on another version whose fingerprinted code changed.
+
+The patches, installed by `install()` (idempotent) before any averager process forks, since the
+averager processes inherit the patched classes at fork:
+- numpy 2: upstream's Quantization.extract calls int() on a 1-element array, which numpy >= 2
+  rejects, so every uint8/quantile8/blockwise8 all-reduce failed on the receiving side;
+- pacing: matchmaking re-reads its group key with no pause for the whole matchmaking window, and
+  an averager re-declares itself as a state donor once per averaged tensor: about 200 DHT requests
+  a second per peer on a 2-peer test swarm (1.6 cores), paced here to about 20 (0.5 cores), with
+  as many epochs a second;
+- open rounds: every round started in this process is recorded, so that a leaving peer can drop
+  the rounds nobody will join (averaging/open_rounds.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import inspect
+import logging
+import time
+import weakref
+from typing import Callable, Dict, List, Tuple
+
+import hivemind
+import numpy as np
+import torch
+from hivemind.averaging.averager import DecentralizedAverager
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.compression.quantization import BlockwiseQuantization, Quantization
+from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+PINNED_VERSION = "1.1.12"
+LOOKUP_INTERVAL_SECONDS = 0.1
+DECLARE_INTERVAL_SECONDS = 0.5
+
+# qualified name -> (sha256 of its source, first 16 hex digits; the module of ours that depends on it)
+UPSTREAM: Dict[str, Tuple[str, str]] = {
+    # copied and patched here
+    "hivemind.compression.quantization.Quantization.extract": ("c522c9b6fd9ddaa2", "averaging/hivemind_compat.py"),
+    "hivemind.compression.quantization.BlockwiseQuantization.extract": ("83c934773cc388e2", "averaging/hivemind_compat.py"),
+    "hivemind.averaging.averager.DecentralizedAverager._declare_for_download_periodically":
+        ("23ae6db0d205bcaf", "averaging/hivemind_compat.py"),
+    "hivemind.averaging.key_manager.GroupKeyManager.get_averagers": ("916b0cdb1efbc75c", "averaging/hivemind_compat.py"),
+    "hivemind.averaging.averager.DecentralizedAverager.step": ("0bccfba139de5ec2", "averaging/hivemind_compat.py"),
+    # overridden by SyncOptimizer, or mimicked by DiLoCoOptimizer
+    "hivemind.optim.optimizer.Optimizer.__init__": ("310edba41646edad", "averaging/sync.py"),
+    "hivemind.optim.optimizer.Optimizer._make_state_averager": ("59a43eff001c3284", "averaging/sync.py"),
+    "hivemind.optim.optimizer.Optimizer._make_gradient_averager": ("b9a4450197c1e6fb", "dht/keys.py"),
+    "hivemind.optim.optimizer.Optimizer._make_progress_tracker": ("a3fe70a367d732d6", "dht/keys.py"),
+    "hivemind.optim.optimizer.Optimizer._update_global_epoch": ("03a36523a3fce65e", "averaging/sync.py"),
+    "hivemind.optim.optimizer.Optimizer._check_and_accumulate_gradients": ("163c06c8f4909c30", "averaging/sync.py"),
+    "hivemind.optim.optimizer.Optimizer._begin_averaging_gradients": ("f17d8bb258a0c551", "averaging/sync.py"),
+    "hivemind.optim.optimizer.Optimizer._average_gradients_and_load_into_optimizer": ("d95bb5ebc061749e", "averaging/sync.py"),
+    "hivemind.optim.optimizer.Optimizer._should_load_state_from_peers": ("e1af5bdfc8e60b70", "averaging/sync.py, diloco.py"),
+    "hivemind.optim.optimizer.Optimizer.load_state_from_peers": ("87030a961ecf8f7f", "averaging/sync.py"),
+    "hivemind.optim.optimizer.Optimizer.shutdown": ("52e41b26128082bc", "averaging/sync.py"),
+    # overridden by the guarded state averagers (and called with _make_state_averager's arguments)
+    "hivemind.optim.state_averager.TrainingStateAverager.__init__": ("97f573400a46cdf9", "averaging/state.py"),
+    "hivemind.optim.state_averager.TrainingStateAverager._apply_averaging_results_": ("32b49f6bd7088974", "averaging/state.py"),
+    "hivemind.optim.state_averager.TrainingStateAverager.load_state_from_peers": ("e4d647a9ea78cde8", "averaging/state.py"),
+    "hivemind.optim.state_averager.TrainingStateAverager._do": ("0b1896170cc6bdb0", "averaging/state.py"),
+    "hivemind.averaging.averager.DecentralizedAverager.load_state_from_peers": ("973fae40a3d1e16f", "averaging/state.py"),
+    # read or driven from outside
+    "hivemind.optim.progress_tracker.ProgressTracker._progress_reporter": ("affc9ed95108eacf", "averaging/progress.py"),
+    "hivemind.optim.progress_tracker.ProgressTracker._progress_fetcher": ("ed458942519098a2", "averaging/progress.py"),
+    "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager.__init__": ("cabf7da27882b293", "averaging/compression.py"),
+}
+
+
+class HivemindIncompatible(RuntimeError):
+    """Another hivemind version whose code we copy or override has changed."""
+
+
+def fingerprint(qualified_name: str) -> str:
+    original = _UNPATCHED.get(qualified_name) or _resolve(qualified_name)
+    return hashlib.sha256(inspect.getsource(original).encode()).hexdigest()[:16]
+
+
+def changed_upstream() -> List[str]:
+    """'name (used by our module)' for every fingerprinted upstream function whose source differs."""
+    changed = []
+    for name, (expected, used_by) in UPSTREAM.items():
+        try:
+            now = fingerprint(name)
+        except (AttributeError, ImportError, KeyError, OSError, TypeError):
+            now = "missing"
+        if now != expected:
+            changed.append(f"{name} (used by {used_by})")
+    return changed
+
+
+def install() -> None:
+    """Check the hivemind version and install every patch (idempotent)."""
+    if hivemind.__version__ != PINNED_VERSION:
+        changed = changed_upstream()
+        if changed:
+            raise HivemindIncompatible(
+                f"hivemind {hivemind.__version__} is installed, but swarmtrain was written against {PINNED_VERSION} "
+                f"and these functions changed: {'; '.join(changed)}; run pip install hivemind=={PINNED_VERSION}"
+            )
+        logger.warning(f"hivemind {hivemind.__version__} (expected {PINNED_VERSION}); the code we rely on is unchanged")
+    for name, patched in _PATCHES.items():
+        owner, attribute = name.rsplit(".", 1)
+        setattr(_resolve(owner), attribute, patched)
+
+
+def _resolve(qualified_name: str):
+    """The function itself; on a class, only one defined in that class's own body (not inherited)."""
+    parts = qualified_name.split(".")
+    for split in range(len(parts) - 1, 0, -1):  # the longest importable prefix is the module
+        try:
+            target = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            target = target.__dict__[attribute] if isinstance(target, type) else getattr(target, attribute)
+        return target
+    raise ImportError(qualified_name)
+
+
+# --- numpy 2 ------------------------------------------------------------------------------------
+
+
+def _read_int64(buffer: bytes, offset: int = 0) -> int:
+    return int(np.frombuffer(buffer, count=1, offset=offset, dtype=np.int64)[0])
+
+
+def _quantization_extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+    """Upstream's Quantization.extract, reading the codebook size in a way numpy 2 accepts."""
+    buffer = serialized_tensor.buffer
+    codebook_size = _read_int64(buffer)
+    codebook = np.frombuffer(buffer, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+    quantized = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+    quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
+    codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+    return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+
+def _blockwise_extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+    """Upstream's BlockwiseQuantization.extract with the same numpy 2 fix."""
+    from bitsandbytes.functional import dequantize_blockwise
+    from hivemind.compression.quantization import _BLOCKWISE_QUANTIZATION_BLOCKSIZE
+
+    buffer = serialized_tensor.buffer
+    absmax_size, codebook_size = _read_int64(buffer), _read_int64(buffer, 8)
+    absmax = np.frombuffer(buffer, offset=16, count=absmax_size, dtype=self.codebook_dtype)
+    codebook = np.frombuffer(buffer, offset=16 + absmax.nbytes, count=codebook_size, dtype=self.codebook_dtype)
+    quantized = np.frombuffer(buffer, offset=16 + absmax.nbytes + codebook.nbytes, dtype=self.indices_dtype)
+    result = dequantize_blockwise(
+        torch.as_tensor(quantized).reshape(tuple(serialized_tensor.size)), absmax=torch.as_tensor(absmax),
+        code=torch.as_tensor(codebook), blocksize=_BLOCKWISE_QUANTIZATION_BLOCKSIZE, nested=False,
+    )
+    return result.to(getattr(torch, serialized_tensor.dtype)).requires_grad_(serialized_tensor.requires_grad)
+
+
+# --- pacing -------------------------------------------------------------------------------------
+
+
+class Pacer:
+    """Spaces calls at least `interval` seconds apart; `delay()` reserves the next slot."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic):
+        self.interval, self.clock = interval, clock
+        self._next_slot = float("-inf")
+
+    def delay(self) -> float:
+        """Seconds to wait before the caller's turn; callers that arrive together queue up."""
+        now = self.clock()
+        slot = max(now, self._next_slot)
+        self._next_slot = slot + self.interval
+        return slot - now
+
+
+_unpaced_get_averagers = GroupKeyManager.get_averagers  # the wrapper calls the original
+
+
+async def _paced_get_averagers(self: GroupKeyManager, group_key, only_active: bool):
+    if not hasattr(self, "_lookup_pacer"):
+        self._lookup_pacer = Pacer(LOOKUP_INTERVAL_SECONDS)
+    await asyncio.sleep(self._lookup_pacer.delay())
+    return await _unpaced_get_averagers(self, group_key, only_active)
+
+
+async def _paced_declare_for_download_periodically(self: DecentralizedAverager):
+    # upstream's DecentralizedAverager._declare_for_download_periodically, plus the pause marked below
+    download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+    sharing_was_allowed = self.allow_state_sharing
+    while True:
+        expiration_time = get_dht_time() + self.declare_state_period
+        if self.allow_state_sharing or sharing_was_allowed:
+            asyncio.create_task(
+                asyncio.wait_for(
+                    self.dht.store(
+                        download_key,
+                        subkey=self.peer_id.to_bytes(),
+                        value=self.state_sharing_priority if self.allow_state_sharing else None,
+                        expiration_time=expiration_time,
+                        return_future=True,
+                    ),
+                    timeout=expiration_time - get_dht_time(),
+                )
+            )
+            sharing_was_allowed = self.allow_state_sharing
+        self._state_updated.clear()
+        # the pause: an update that arrives meanwhile leaves _state_updated set, so the next store carries it
+        await asyncio.sleep(DECLARE_INTERVAL_SECONDS)
+        try:
+            await asyncio.wait_for(self._state_updated.wait(), timeout=max(0.0, expiration_time - get_dht_time()))
+        except asyncio.TimeoutError:
+            pass
+
+
+# --- open rounds --------------------------------------------------------------------------------
+
+open_rounds: "weakref.WeakSet[StepControl]" = weakref.WeakSet()
+"""Every round started in this process with wait=False that is still referenced somewhere."""
+_unrecorded_step = DecentralizedAverager.step
+
+
+def _recorded_step(self: DecentralizedAverager, *args, **kwargs):
+    result = _unrecorded_step(self, *args, **kwargs)
+    if isinstance(result, StepControl):  # wait=False: the round goes on in the background
+        open_rounds.add(result)
+    return result
+
+
+_PATCHES: Dict[str, Callable] = {
+    "hivemind.compression.quantization.Quantization.extract": _quantization_extract,
+    "hivemind.compression.quantization.BlockwiseQuantization.extract": _blockwise_extract,
+    "hivemind.averaging.key_manager.GroupKeyManager.get_averagers": _paced_get_averagers,
+    "hivemind.averaging.averager.DecentralizedAverager._declare_for_download_periodically":
+        _paced_declare_for_download_periodically,
+    "hivemind.averaging.averager.DecentralizedAverager.step": _recorded_step,
+}
+# the upstream originals, kept so that they can still be fingerprinted once patched
+_UNPATCHED: Dict[str, Callable] = {name: _resolve(name) for name in _PATCHES}

@@ -1,0 +1,52 @@
+"""hivemind's ProgressTracker, as every strategy reads and feeds it.
+
+The tracker counts the swarm's samples toward the target batch from signed progress records
+(one subkey per peer, owned by the peer's RSA key). This module turns it into a SwarmView, makes
+it fetch afresh on demand, and publishes a peer's record before it has any samples (the tracker
+itself publishes only once a peer has accumulated some, so peers waiting at a start gate would be
+invisible to each other).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from averaging.api import SwarmView
+
+
+def signing_key(tracker_opts: dict) -> RSAPrivateKey:
+    """The key a tracker built with these options signs its record with (hivemind's default: the process's)."""
+    return tracker_opts.get("private_key") or RSAPrivateKey.process_wide()
+
+
+def swarm_view(tracker: ProgressTracker, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
+    if refresh_timeout_seconds is not None:
+        _fetch_now(tracker, refresh_timeout_seconds)
+    progress = tracker.global_progress
+    return SwarmView(
+        peers=progress.num_peers,
+        samples_per_second=float(tracker.performance_ema.samples_per_second),
+        samples_accumulated=progress.samples_accumulated,
+        target_batch_size=progress.target_batch_size,
+        global_epoch=progress.epoch,
+    )
+
+
+def announce(tracker: ProgressTracker, key: RSAPrivateKey) -> None:
+    """Store the tracker's local record now, in the subkey the tracker itself writes to."""
+    owner = RSASignatureValidator(key).local_public_key
+    tracker.dht.store(tracker.training_progress_key, subkey=owner, value=tracker.local_progress.dict(),
+                      expiration_time=get_dht_time() + tracker.metadata_expiration)
+
+
+def _fetch_now(tracker: ProgressTracker, timeout_seconds: float) -> None:
+    """Make the tracker's fetcher read the swarm's progress now rather than at its next scheduled fetch
+    (with no samples anywhere, that is up to 10 s away)."""
+    tracker.fetched_global_progress_this_epoch.clear()
+    tracker.global_progress.next_fetch_time = get_dht_time()
+    tracker.global_state_updated.set()  # wakes the fetcher, which then finds its next fetch due
+    tracker.fetched_global_progress_this_epoch.wait(timeout_seconds)

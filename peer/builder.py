@@ -1,0 +1,212 @@
+"""The composition root: one place that assembles a peer from its config, and takes it apart.
+
+PeerBuilder starts each part in order (monitoring, DHT, display, training, publisher) and pushes
+its teardown onto an ExitStack as soon as the part exists, so that closing the stack stops
+everything that was started, in reverse order, on every path: a clean stop, a crash half-way
+through start-up, or bad input found late. `peer start`, `peer bootstrap` (the DHT alone) and
+the benchmarks assemble peers with it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Optional
+
+import hivemind
+import torch
+from prometheus_client import CollectorRegistry
+
+from averaging import hivemind_compat
+from averaging.api import Replica, RoundReport, SwarmOptimizer
+from averaging.compression import round_payload_bytes
+from averaging.factory import build_swarm_optimizer, progress_record_ttl_seconds
+from dht.keys import SwarmKeys
+from dht.node import quiet_dht_logs, shutdown_dht, start_dht
+from dht.records import PeerInfo, PeerInfoPublisher, record_validators
+from monitoring import BottleneckClassifier, HealthCheck, MetricsExporter, MetricsPortInUseError, PeerMetrics, PhaseTimer
+from peer.checkpoint import CheckpointStore
+from peer.config import PeerConfig
+from peer.data import make_loader
+from peer.exit_codes import BadInput
+from peer.logs import silence_hivemind
+from peer.progress import ProgressDisplay
+from peer.resume import restore_model, restore_optimizer
+from peer.session import SwarmSession
+from peer.signals import StopRequest
+from peer.summary import PeerSummary
+from peer.tasks import Task
+from peer.trainer import RoundTally, Trainer, TrainingObserver, seed_from_run_id
+from peer.version import __version__
+
+logger = logging.getLogger("peer")
+
+
+def describe_device(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+class MetricsObserver(TrainingObserver):
+    """Feeds the training loop's reports into the Prometheus metrics and the bottleneck classifier."""
+
+    def __init__(self, metrics: PeerMetrics, classifier: BottleneckClassifier, health: HealthCheck):
+        self.metrics, self.classifier, self.health = metrics, classifier, health
+        self._next_classification = 0.0
+
+    def on_step(self, samples: int, loss: float) -> None:
+        self.metrics.record_step(samples, loss)
+        self.health.beat()
+        now = time.monotonic()
+        if now >= self._next_classification:  # once a second is plenty for a 60 s window
+            self._next_classification = now + 1.0
+            self.classifier.update()
+            self.metrics.set_bottleneck(self.classifier.fractions(), self.classifier.dominant)
+            self.metrics.update_gpu_memory()
+
+    def on_epoch(self, epoch: int, val_loss: Optional[float]) -> None:
+        self.metrics.set_global_epoch(epoch)
+        if val_loss is not None:
+            self.metrics.set_validation_loss(val_loss)
+
+    def on_round(self, report: RoundReport, payload_bytes: int) -> None:
+        # butterfly all-reduce: each peer sends (N-1)/N of the payload out and gets as much back, twice
+        n = max(1, report.group_size)
+        moved = int(2 * (n - 1) / n * payload_bytes) if report.outcome == "ok" else 0
+        self.metrics.record_round(report.outcome, report.seconds, report.group_size, moved, moved)
+
+    def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:
+        self.metrics.set_swarm(peers, samples_per_second, progress_ratio)
+
+
+@dataclass
+class Monitoring:
+    """Phase timing, metrics and health of one peer; the exporter serves them when a port is set."""
+
+    timer: PhaseTimer
+    metrics: PeerMetrics
+    classifier: BottleneckClassifier
+    health: HealthCheck
+    observer: MetricsObserver
+    port: Optional[int] = None
+    """Where /metrics is served; None with --metrics-port off."""
+
+
+class PeerBuilder:
+    """Builds a peer's parts in order; each part's teardown goes onto `stack` as soon as it exists."""
+
+    def __init__(self, config: PeerConfig, stop: StopRequest, stack: ExitStack):
+        self.config, self.stop, self.stack = config, stop, stack
+        self.keys = SwarmKeys.for_run(config.training.run_id, config.dht.swarm_key)
+        self._dht_quiet = False
+        hivemind_compat.install()  # before anything forks: every hivemind process inherits the patches
+
+    def monitoring(self, device: torch.device, strategy: str, codec: str) -> Monitoring:
+        """Metrics and the bottleneck classifier fed by one phase timer; /metrics served unless the port is off.
+
+        :raises BadInput: the metrics port is taken
+        """
+        config = self.config.monitoring
+        timer, metrics, classifier = PhaseTimer(), PeerMetrics(registry := CollectorRegistry()), BottleneckClassifier()
+        health = HealthCheck(config.health_window_seconds)
+        timer.add_listener(metrics.observe_phase)
+        timer.add_listener(classifier.observe)
+        metrics.set_info(__version__, describe_device(device), strategy, codec)
+        monitoring = Monitoring(timer, metrics, classifier, health, MetricsObserver(metrics, classifier, health))
+        if config.metrics_port != "off":
+            exporter = MetricsExporter(registry, config.metrics_port, config.metrics_host, health=health)
+            try:
+                monitoring.port = exporter.start()
+            except MetricsPortInUseError as e:
+                raise BadInput(str(e)) from e
+            self.stack.callback(exporter.stop)
+            logger.info(f"metrics on http://{config.metrics_host}:{monitoring.port}/metrics")
+        return monitoring
+
+    def dht(self) -> hivemind.DHT:
+        """The run's DHT node, with its record validators; retried, and abandoned on a stop request."""
+        dht = start_dht(self.config.dht, record_validators=record_validators(self.config.training.run_id),
+                        sleep=self.stop.wait, cancelled=lambda: bool(self.stop))
+        self.stack.callback(self._leave_dht, dht)
+        return dht
+
+    def display(self) -> ProgressDisplay:
+        display = ProgressDisplay(self.config.averaging.target_batch_size)
+        self.stack.callback(display.close)
+        return display
+
+    def training(self, task: Task, device: torch.device, dht: hivemind.DHT, monitoring: Monitoring,
+                 display: Optional[ProgressDisplay] = None) -> Trainer:
+        """The model (resumed from a checkpoint if there is one), its swarm optimizer, the session and the loop."""
+        config = self.config
+        summary = PeerSummary(run_id=config.training.run_id, task=task.name, peer_id=str(dht.peer_id))
+        store = CheckpointStore(config.checkpoint.checkpoint_dir, keep=config.checkpoint.keep_checkpoints)
+        torch.manual_seed(seed_from_run_id(config.training.run_id))
+        model = task.build_model().to(device)
+        checkpoint = restore_model(store, config, task.name, model)
+        batch_size = config.training.batch_size or task.batch_size
+        payload_bytes = round_payload_bytes(config.averaging, list(model.parameters()),
+                                            opt_statistics=len(config.averaging.average_opt_statistics))
+        rounds = RoundTally(summary, monitoring.observer, payload_bytes)
+        optimizer = build_swarm_optimizer(config.averaging, Replica(
+            dht=dht, keys=self.keys, params=model.parameters(), optimizer_factory=task.build_optimizer,
+            scheduler_factory=task.build_scheduler, batch_size=batch_size, client_mode=config.dht.client_mode,
+            hooks=rounds.hooks(monitoring.timer),
+        ))
+        session = SwarmSession(dht, self.keys, optimizer, self.stop, progress_record_ttl_seconds(config.averaging),
+                               on_progress=monitoring.health.beat)
+        self.stack.callback(self._leave_training, dht, optimizer, session)
+        restore_optimizer(checkpoint, optimizer, summary)
+        training = config.training
+        train_loader = make_loader(task.build_train_dataset(), batch_size=batch_size, workers=training.data_workers,
+                                   seed=training.seed, collate_fn=task.collate_fn)
+        val_loader = make_loader(task.build_val_dataset(), batch_size=batch_size, workers=0, seed=0,
+                                 collate_fn=task.collate_fn, shuffle=False)
+        trainer = Trainer(
+            config, task, model, optimizer, train_loader, val_loader, device=device, session=session, rounds=rounds,
+            store=store, stop=self.stop, timer=monitoring.timer, display=display, on_progress=monitoring.health.beat,
+        )
+        self.stack.callback(trainer.close)
+        return trainer
+
+    def publisher(self, dht: hivemind.DHT, trainer: Trainer, monitoring: Monitoring) -> PeerInfoPublisher:
+        """Publishes this peer's PeerInfo every few seconds (what `peer status` and the monitor show)."""
+        started, device, classifier = time.monotonic(), describe_device(trainer.device), monitoring.classifier
+        optimizer = trainer.optimizer
+        publisher = PeerInfoPublisher(dht, self.config.training.run_id, lambda: PeerInfo(
+            peer_id=str(dht.peer_id),
+            version=__version__,
+            device=device,
+            client_mode=self.config.dht.client_mode,
+            samples_per_second=float(optimizer.swarm_view().samples_per_second),
+            global_epoch=int(optimizer.local_epoch),
+            uptime_seconds=time.monotonic() - started,
+            time=time.time(),
+            fractions={k: float(v) for k, v in classifier.fractions().items()},
+            bottleneck=classifier.dominant,
+        ))
+        publisher.start()
+        self.stack.callback(publisher.stop)
+        return publisher
+
+    # --- teardown ------------------------------------------------------------------------------
+
+    def _quiet_hivemind(self, dht: hivemind.DHT) -> None:
+        """While leaving, hivemind logs errors about peers and pipes going away; they mean nothing to users."""
+        silence_hivemind()
+        if not self.config.logging.verbose and not self._dht_quiet:
+            quiet_dht_logs(dht)
+            self._dht_quiet = True
+
+    def _leave_training(self, dht: hivemind.DHT, optimizer: SwarmOptimizer, session: SwarmSession) -> None:
+        self._quiet_hivemind(dht)
+        session.begin_leaving()  # rounds nobody will join are dropped while the optimizer waits for them
+        try:
+            optimizer.shutdown()
+        except Exception as e:  # hivemind's shutdown can fail noisily once the peer is half gone
+            logger.debug(f"optimizer shutdown raised {e!r}")
+        session.close()
+
+    def _leave_dht(self, dht: hivemind.DHT) -> None:
+        self._quiet_hivemind(dht)
+        shutdown_dht(dht)

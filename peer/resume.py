@@ -1,0 +1,69 @@
+"""What a peer's checkpoint holds, and resuming from one.
+
+The model's weights are restored before the optimizer is built (hivemind copies them into its
+averagers); the optimizer's state, the LR scheduler and the counters after. A checkpoint from
+another run or task is refused, since mixing them would silently train the wrong model.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from averaging.api import SwarmOptimizer
+from peer.checkpoint import CheckpointStore, LoadedCheckpoint
+from peer.config import PeerConfig
+from peer.summary import PeerSummary
+
+logger = logging.getLogger(__name__)
+
+
+def training_state(config: PeerConfig, task_name: str, model: torch.nn.Module, optimizer: SwarmOptimizer,
+                   summary: PeerSummary) -> dict:
+    """Everything a checkpoint holds (the optimizer's background updates must have landed)."""
+    scheduler = optimizer.scheduler
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "local_epoch": optimizer.local_epoch,
+        "local_steps": summary.local_steps,
+        "samples": summary.samples,
+        "run_id": config.training.run_id,
+        "task": task_name,
+        "swarm_hash": config.swarm_hash(),
+    }
+
+
+def restore_model(store: CheckpointStore, config: PeerConfig, task_name: str,
+                  model: torch.nn.Module) -> Optional[LoadedCheckpoint]:
+    """Load the newest readable checkpoint's weights into model; the checkpoint, or None if there is none."""
+    checkpoint = store.load_latest()
+    if checkpoint is None:
+        return None
+    state = checkpoint.state
+    if state.get("run_id") != config.training.run_id or state.get("task") != task_name:
+        raise RuntimeError(
+            f"checkpoint {checkpoint.path} belongs to run {state.get('run_id')!r} "
+            f"(task {state.get('task')!r}), not run {config.training.run_id!r} (task {task_name!r}); "
+            f"use another --checkpoint-dir"
+        )
+    if state.get("swarm_hash") != config.swarm_hash():
+        logger.warning(f"{checkpoint.path} was written with different swarm settings; resuming anyway")
+    model.load_state_dict(state["model"])
+    return checkpoint
+
+
+def restore_optimizer(checkpoint: Optional[LoadedCheckpoint], optimizer: SwarmOptimizer, summary: PeerSummary) -> None:
+    """The optimizer's state, the LR scheduler and the peer's counters, from the checkpoint restore_model read."""
+    if checkpoint is None:
+        return
+    state = checkpoint.state
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler = optimizer.scheduler
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    summary.local_steps, summary.samples = state.get("local_steps", 0), state.get("samples", 0)
+    summary.resumed_from = str(checkpoint.path)
+    logger.info(f"resumed from {checkpoint.path} at epoch {optimizer.local_epoch}")

@@ -1,0 +1,140 @@
+"""This peer's membership in the swarm: joining (start gate, catching up) and leaving.
+
+- The start gate (--min-peers): hivemind's tracker only counts peers that have accumulated
+  samples, so peers that start together would each train alone for a while. Each waiting peer
+  announces a zero-sample progress record, so every waiting peer is visible to the others before
+  anyone steps; the gate reads these records itself, since with no samples anywhere the tracker
+  refreshes only every 10 s. Peers notice the quorum at slightly different moments, and a first
+  epoch can be shorter than that: each peer publishes when it saw the quorum, and all start
+  START_SETTLE_SECONDS after the earliest of those times.
+- Catching up: before the first step, a peer behind the swarm downloads its state.
+- Leaving at --max-epochs (the rules are in peer/leaving.py): a peer whose last round failed
+  downloads the final state from a peer that has it; then it stays while another peer may still
+  need it.
+- Leaving for any reason: rounds still looking for a group a matchmaking window (plus a second for
+  the leader's answer) after leaving began never will find one, and are abandoned; without this,
+  Ctrl+C on a peer whose partners just left waits each round out.
+
+Every record lives in the run's training namespace (dht/keys.py), in this peer's own signed
+subkey, for as long as progress records live.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Dict, Optional
+
+from hivemind.utils import get_dht_time
+
+from averaging.api import SwarmOptimizer
+from averaging.open_rounds import RoundAbandoner
+from dht.keys import SwarmKeys
+from dht.records import own_subkey, read_by_owner, store_own
+from peer.leaving import DONE, DOWNLOADING, Need, has_final_state_elsewhere, leave_record, needs_of_others
+from peer.signals import StopRequest
+
+logger = logging.getLogger(__name__)
+
+START_SETTLE_SECONDS = 2.0
+"""Peers that wait for each other start this long after the first of them saw the quorum: enough for
+the others, polling every 0.25 s, to see it too."""
+
+
+class SwarmSession:
+    def __init__(
+        self,
+        dht,
+        keys: SwarmKeys,
+        optimizer: SwarmOptimizer,
+        stop: StopRequest,
+        record_ttl_seconds: float,
+        on_progress: Callable[[], None] = lambda: None,
+    ):
+        self.dht, self.keys, self.optimizer, self.stop = dht, keys, optimizer, stop
+        self.record_ttl_seconds = record_ttl_seconds
+        self.on_progress = on_progress  # heartbeat for /healthz: waiting for peers by design is not a stall
+        self.me = own_subkey()
+        self._leaving = threading.Event()
+        self._round_abandoner = RoundAbandoner(
+            leaving=lambda: bool(stop) or self._leaving.is_set(),
+            grace_seconds=lambda: optimizer.deadlines.matchmaking_seconds + 1.0,
+        )
+        self._round_abandoner.start()
+
+    # --- joining -----------------------------------------------------------------------------
+
+    def wait_for_quorum(self, min_peers: int, timeout_seconds: float) -> int:
+        """Start gate: wait until min_peers peers are visible, then start together; the peers seen."""
+        deadline = time.monotonic() + timeout_seconds
+        seen, start_at = 0, None
+        while not self.stop and time.monotonic() < deadline:
+            self.optimizer.announce()
+            self.on_progress()
+            seen = len(read_by_owner(self.dht, self.keys.progress))
+            if seen >= min_peers and start_at is None:
+                start_at = get_dht_time()
+                quorum = seen
+                self._publish(self.keys.start_gate, start_at)
+            if start_at is not None:
+                quorum_times = [t for t in read_by_owner(self.dht, self.keys.start_gate).values()
+                                if isinstance(t, (int, float))]
+                start_at = min([start_at, *quorum_times])
+                if get_dht_time() >= start_at + START_SETTLE_SECONDS:
+                    self.optimizer.swarm_view(refresh_timeout_seconds=2.0)  # its first epoch counts the peers just seen
+                    return quorum  # passed, even if a peer left meanwhile: swarms handle departures
+            self.stop.wait(0.25)
+        return seen
+
+    def catch_up(self) -> None:
+        """Before the first step: if the swarm is ahead of this peer, download its state."""
+        global_epoch, local_epoch = self.optimizer.swarm_view().global_epoch, self.optimizer.local_epoch
+        if global_epoch > local_epoch:
+            logger.info(f"the swarm is at epoch {global_epoch}, this peer at {local_epoch}: downloading state from peers")
+            self.optimizer.load_state_from_peers()
+
+    # --- leaving -----------------------------------------------------------------------------
+
+    def begin_leaving(self) -> None:
+        """From now on, rounds that find no group are abandoned (the loop has ended, or a stop came)."""
+        self._leaving.set()
+
+    def leave_at_last_epoch(self, last_round_outcome: Optional[str]) -> None:
+        """End with the swarm's weights, and stay while a straggler may need ours.
+
+        Stays one matchmaking window, then while peer.leaving says another peer needs this one, for
+        at most three averaging timeouts: a peer that died behind must not keep it forever.
+        """
+        deadlines, epoch = self.optimizer.deadlines, self.optimizer.local_epoch
+        matchmaking, timeout = deadlines.matchmaking_seconds, deadlines.averaging_timeout_seconds
+        now = time.monotonic()
+        stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
+        progress = read_by_owner(self.dht, self.keys.progress)  # fresh: the tracker's view may lag
+        if last_round_outcome in ("failed", "timeout") and has_final_state_elsewhere(epoch, progress, self.me):
+            self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING))
+            logger.info("the last averaging round failed: downloading the swarm's final state before leaving")
+            self.optimizer.load_state_from_peers()
+        self._publish(self.keys.leaving, leave_record(epoch, DONE))
+        silent_since: Dict[bytes, float] = {}
+        while not self.stop and time.monotonic() < deadline:
+            needs = needs_of_others(epoch, read_by_owner(self.dht, self.keys.progress),
+                                    read_by_owner(self.dht, self.keys.leaving), self.me)
+            now = time.monotonic()
+            for owner, need in needs.items():
+                if need is Need.GRACE:
+                    silent_since.setdefault(owner, now)
+            waiting = now < stay_until or any(
+                need is Need.SERVE or (need is Need.GRACE and now < silent_since[owner] + timeout + matchmaking)
+                for owner, need in needs.items()
+            )
+            if not waiting:
+                return
+            self.stop.wait(0.5)
+
+    def close(self) -> None:
+        """After the optimizer has shut down: stop watching its rounds."""
+        self._leaving.set()
+        self._round_abandoner.finish()
+
+    def _publish(self, key: str, value) -> None:
+        store_own(self.dht, key, value, self.record_ttl_seconds)

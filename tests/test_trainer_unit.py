@@ -1,0 +1,563 @@
+"""The Trainer's epoch, stop, non-finite-loss and checkpoint logic, fast: a fake SwarmOptimizer, no swarm, no network.
+
+FakeOptimizer implements averaging.api.SwarmOptimizer deterministically: each step applies a real SGD update and
+counts its samples, and the epoch advances whenever they reach the target batch. So every decision of the loop
+(when to validate, checkpoint, stop, skip a batch, download the swarm's state or give up) can be checked exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Iterable, List, Optional, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+import peer.trainer as trainer_module
+from averaging.api import AveragingHooks, RoundReport, SwarmOptimizer, SwarmView
+from averaging.deadlines import Deadlines
+from monitoring import PhaseTimer
+from peer.checkpoint import CheckpointStore
+from peer.config import PeerConfig, load_config
+from peer.data import make_loader
+from peer.resume import restore_model, restore_optimizer
+from peer.signals import StopRequest
+from peer.summary import PeerSummary
+from peer.tasks import Task, load_task
+from peer.trainer import NONFINITE_LOSS_LIMIT, RoundTally, Trainer, TrainingDiverged, TrainingObserver
+from tests.tasks_for_tests import FEATURES, SyntheticDataset, mse_loss, sgd
+
+BATCH = 8
+TARGET = 2 * BATCH  # two local steps per global epoch
+PAYLOAD_BYTES = 1234
+LIMIT = NONFINITE_LOSS_LIMIT
+RUNAWAY = 10 * LIMIT  # more steps or batches than any test needs: a loop that fails to stop fails fast, not hangs
+
+
+# --- the fakes -----------------------------------------------------------------------------------------------------
+
+
+class FakeOptimizer:
+    """SwarmOptimizer without a swarm: a real SGD step per batch; a new epoch each time the samples reach the target."""
+
+    def __init__(self, params: Iterable[torch.Tensor], *, target_batch_size: int, peers: int = 1,
+                 scheduler_factory: Optional[Callable] = None, hooks: Optional[AveragingHooks] = None,
+                 outcomes: Tuple[str, ...] = ("ok",), group_size: int = 2):
+        self.inner = torch.optim.SGD(list(params), lr=0.01, momentum=0.9)  # momentum: inner state to checkpoint
+        self._scheduler = scheduler_factory(self.inner) if scheduler_factory is not None else None
+        self.target_batch_size, self.peers = target_batch_size, peers
+        self.hooks = hooks or AveragingHooks()
+        self.outcomes, self.group_size = itertools.cycle(outcomes), group_size  # one round per epoch
+        self._epoch = 0
+        self.samples_accumulated = 0
+        self.steps: List[Optional[int]] = []  # the batch size of every step
+        self.bad_gradient_steps = 0  # steps taken with a missing or non-finite gradient
+        self.load_calls = 0
+        self.calls: List[str] = []  # the order of the calls around checkpoints and downloads
+
+    @property
+    def local_epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def scheduler(self):
+        return self._scheduler
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return Deadlines(1.0, 5.0)
+
+    def step(self, batch_size: Optional[int] = None) -> None:
+        assert len(self.steps) < RUNAWAY, "the training loop did not stop"
+        grads = [p.grad for group in self.inner.param_groups for p in group["params"]]
+        if any(g is None or not bool(torch.isfinite(g).all()) for g in grads):
+            self.bad_gradient_steps += 1
+        self.inner.step()
+        self.steps.append(batch_size)
+        self.samples_accumulated += batch_size
+        if self.samples_accumulated >= self.target_batch_size:
+            self.samples_accumulated -= self.target_batch_size
+            self._epoch += 1
+            if self._scheduler is not None:
+                self._scheduler.step()
+            self.hooks.round_finished(RoundReport(next(self.outcomes), seconds=0.1, group_size=self.group_size))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def swarm_view(self, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
+        return SwarmView(peers=self.peers, samples_per_second=100.0, samples_accumulated=self.samples_accumulated,
+                         target_batch_size=self.target_batch_size, global_epoch=self._epoch)
+
+    def announce(self) -> None:
+        self.calls.append("announce")
+
+    def load_state_from_peers(self) -> bool:
+        self.load_calls += 1
+        self.calls.append("load_state_from_peers")
+        self.hooks.state_loaded(self._epoch)
+        return True
+
+    def wait_for_background_updates(self) -> None:
+        self.calls.append("wait_for_background_updates")
+
+    def state_dict(self) -> dict:
+        self.calls.append("state_dict")
+        return {"epoch": self._epoch, "samples_accumulated": self.samples_accumulated, "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._epoch, self.samples_accumulated = state_dict["epoch"], state_dict["samples_accumulated"]
+        self.inner.load_state_dict(state_dict["inner"])
+
+    def shutdown(self, timeout_seconds: float = 10.0) -> None:
+        self.calls.append("shutdown")
+
+
+class FakeSession:
+    """The two calls the Trainer makes on its SwarmSession, recorded."""
+
+    def __init__(self):
+        self.leaving_began = 0
+        self.left_at_last_epoch: List[Optional[str]] = []
+
+    def begin_leaving(self) -> None:
+        self.leaving_began += 1
+
+    def leave_at_last_epoch(self, last_round_outcome: Optional[str]) -> None:
+        self.left_at_last_epoch.append(last_round_outcome)
+
+
+class RecordingObserver(TrainingObserver):
+    """Records every report; after_step(n) runs after the n-th step's report (to stop or move a clock mid-run)."""
+
+    def __init__(self):
+        self.steps: List[Tuple[int, float]] = []
+        self.epochs: List[Tuple[int, Optional[float]]] = []
+        self.rounds: List[Tuple[RoundReport, int]] = []
+        self.swarm_peers: List[int] = []
+        self.after_step: Callable[[int], None] = lambda n: None
+
+    def on_step(self, samples: int, loss: float) -> None:
+        self.steps.append((samples, loss))
+        self.after_step(len(self.steps))
+
+    def on_epoch(self, epoch: int, val_loss: Optional[float]) -> None:
+        self.epochs.append((epoch, val_loss))
+
+    def on_round(self, report: RoundReport, payload_bytes: int) -> None:
+        self.rounds.append((report, payload_bytes))
+
+    def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:
+        self.swarm_peers.append(peers)
+
+
+class ScriptedLoss:
+    """mse_loss, NaN on the training batches (numbered from 1) where is_nan(n); validation batches stay finite.
+
+    before_batch() runs before each training batch: tests record there what the optimizer had done by then."""
+
+    def __init__(self, is_nan: Callable[[int], bool]):
+        self.is_nan, self.batches = is_nan, 0
+        self.before_batch: Callable[[], None] = lambda: None
+
+    def __call__(self, model: nn.Module, batch) -> torch.Tensor:
+        loss = mse_loss(model, batch)
+        if not torch.is_grad_enabled():  # peer.data.evaluate validates under no_grad
+            return loss
+        assert self.batches < RUNAWAY, "the training loop did not stop"
+        self.before_batch()
+        self.batches += 1
+        return loss * float("nan") if self.is_nan(self.batches) else loss
+
+
+def mlp_task(loss_fn: Callable = mse_loss) -> Task:
+    """A regression MLP small enough that a step costs well under a millisecond."""
+    return Task(
+        name="unit-mlp",
+        build_model=lambda: nn.Sequential(nn.Linear(FEATURES, 8), nn.ReLU(), nn.Linear(8, 1)),
+        build_train_dataset=lambda: SyntheticDataset(256),
+        build_val_dataset=lambda: SyntheticDataset(32),
+        loss_fn=loss_fn,
+        build_optimizer=sgd,
+        batch_size=BATCH,
+    )
+
+
+# --- the rig: what peer/builder.py assembles, with the fakes --------------------------------------------------------
+
+
+@dataclass
+class Rig:
+    config: PeerConfig
+    task: Task
+    model: nn.Module
+    optimizer: FakeOptimizer
+    summary: PeerSummary
+    observer: RecordingObserver
+    session: FakeSession
+    store: CheckpointStore
+    stop: StopRequest
+    trainer: Trainer
+
+    def checkpoint_epochs(self) -> List[int]:
+        return [int(path.stem.split("epoch")[1]) for path in self.store.list()]
+
+
+def make_config(tmp_path: Path, task: Task, **flags) -> PeerConfig:
+    return load_config(flags={
+        "run_id": "unit", "task": task.name, "batch_size": BATCH, "target_batch_size": TARGET,
+        "checkpoint_dir": tmp_path / "ckpt", "val_batches": 2, "data_workers": 0, "metrics_port": "off", **flags,
+    })
+
+
+def make_rig(tmp_path: Path, task: Optional[Task] = None, *, peers: int = 1, outcomes: Tuple[str, ...] = ("ok",),
+             seed: int = 0, resume: bool = False, **flags) -> Rig:
+    """A Trainer over task (default: mlp_task()) and a FakeOptimizer; resume=True restores as peer/builder.py does."""
+    task = task or mlp_task()
+    config = make_config(tmp_path, task, **flags)
+    summary = PeerSummary(run_id=config.training.run_id, task=task.name)
+    observer, timer = RecordingObserver(), PhaseTimer()
+    rounds = RoundTally(summary, observer, PAYLOAD_BYTES)
+    store = CheckpointStore(config.checkpoint.checkpoint_dir, keep=config.checkpoint.keep_checkpoints)
+    torch.manual_seed(seed)
+    model = task.build_model()
+    checkpoint = restore_model(store, config, task.name, model) if resume else None
+    optimizer = FakeOptimizer(model.parameters(), target_batch_size=TARGET, peers=peers, outcomes=outcomes,
+                              scheduler_factory=task.build_scheduler, hooks=rounds.hooks(timer))
+    restore_optimizer(checkpoint, optimizer, summary)
+    train_loader = make_loader(task.build_train_dataset(), batch_size=BATCH, workers=0, seed=0,
+                               collate_fn=task.collate_fn)
+    val_loader = make_loader(task.build_val_dataset(), batch_size=BATCH, workers=0, seed=0,
+                             collate_fn=task.collate_fn, shuffle=False)
+    session, stop = FakeSession(), StopRequest()
+    trainer = Trainer(config, task, model, optimizer, train_loader, val_loader, device=torch.device("cpu"),
+                      session=session, rounds=rounds, store=store, stop=stop, timer=timer)
+    return Rig(config, task, model, optimizer, summary, observer, session, store, stop, trainer)
+
+
+def parameters_of(model: nn.Module) -> List[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def same_tensors(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
+    a, b = list(a), list(b)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def momentum_buffers(optimizer: FakeOptimizer) -> List[torch.Tensor]:
+    return [state["momentum_buffer"] for state in optimizer.inner.state_dict()["state"].values()]
+
+
+@pytest.fixture(scope="module")
+def bytelm_tiny() -> Task:
+    return load_task("bytelm-tiny")
+
+
+# --- the fake itself -----------------------------------------------------------------------------------------------
+
+
+def test_the_fake_optimizer_implements_the_swarm_optimizer_protocol():
+    """FakeOptimizer passes the runtime Protocol check, which an object lacking one of its methods fails."""
+    assert isinstance(FakeOptimizer(nn.Linear(2, 1).parameters(), target_batch_size=TARGET), SwarmOptimizer)
+
+    class NoSwarmView(FakeOptimizer):
+        swarm_view = None  # how a Protocol member is blocked: as if the method were missing
+
+    assert not isinstance(NoSwarmView(nn.Linear(2, 1).parameters(), target_batch_size=TARGET), SwarmOptimizer)
+
+
+# --- epochs --------------------------------------------------------------------------------------------------------
+
+
+def test_run_stops_at_max_epochs_after_validating_each_epoch_and_leaves_with_the_last_round_outcome(tmp_path):
+    """--max-epochs 3: validate at 0..3, count every step, checkpoint at epoch 2 only, leave with the last outcome."""
+    rig = make_rig(tmp_path, peers=3, outcomes=("ok", "timeout", "failed"), max_epochs=3, checkpoint_every_epochs=2)
+    initial = parameters_of(rig.model)
+
+    assert rig.trainer.run() == "max_epochs"
+
+    assert rig.session.left_at_last_epoch == ["failed"]  # the round that ended epoch 3, as the tally saw it
+    assert rig.session.leaving_began == 1
+    assert [epoch for epoch, _ in rig.observer.epochs] == [0, 1, 2, 3]
+    assert all(math.isfinite(val_loss) for _, val_loss in rig.observer.epochs)
+    assert rig.summary.val_loss_first == rig.observer.epochs[0][1]
+    assert rig.summary.val_loss_last == rig.observer.epochs[-1][1] != rig.summary.val_loss_first
+    steps = 3 * TARGET // BATCH
+    assert rig.optimizer.steps == [BATCH] * steps and rig.optimizer.bad_gradient_steps == 0
+    assert rig.summary.global_epoch == 3
+    assert (rig.summary.local_steps, rig.summary.samples) == (steps, steps * BATCH)
+    assert rig.summary.train_loss == rig.observer.steps[-1][1]
+    assert rig.observer.swarm_peers == [3] * steps
+    assert rig.summary.averaging_rounds == {"ok": 1, "failed": 1, "timeout": 1, "skipped": 0}
+    assert not same_tensors(parameters_of(rig.model), initial)  # the optimizer's steps trained the model
+    assert rig.checkpoint_epochs() == [2]
+    state = rig.store.load_latest().state
+    assert (state["local_epoch"], state["local_steps"], state["samples"]) == (2, 2 * TARGET // BATCH, 2 * TARGET)
+
+
+@pytest.mark.parametrize("every, expected", [(1, [1, 2, 3]), (2, [2]), (3, [3]), (4, [])])
+def test_the_loop_writes_a_checkpoint_every_k_epochs(tmp_path, every, expected):
+    """A checkpoint at each epoch that is a multiple of --checkpoint-every-epochs, never at the initial epoch 0."""
+    rig = make_rig(tmp_path, max_epochs=3, checkpoint_every_epochs=every, keep_checkpoints=5)
+    assert rig.trainer.run() == "max_epochs"
+    assert rig.checkpoint_epochs() == expected
+
+
+def test_a_peer_resumed_at_max_epochs_takes_no_step(tmp_path):
+    """A peer whose checkpoint is already at --max-epochs validates once and leaves without training."""
+    assert make_rig(tmp_path, max_epochs=2, checkpoint_every_epochs=2).trainer.run() == "max_epochs"
+
+    rig = make_rig(tmp_path, resume=True, max_epochs=2, checkpoint_every_epochs=2)
+    assert rig.trainer.run() == "max_epochs"
+    assert rig.optimizer.steps == []
+    assert rig.observer.epochs == [(2, rig.summary.val_loss_first)]
+    assert rig.session.left_at_last_epoch == [None]  # no round this session
+
+
+# --- stopping ------------------------------------------------------------------------------------------------------
+
+
+def test_a_stop_requested_before_run_ends_it_before_any_step(tmp_path):
+    """A stop already set: validate once, return signal:<name>, no step, no checkpoint, and begin leaving."""
+    rig = make_rig(tmp_path, max_epochs=3)
+    rig.stop.set("SIGINT")
+
+    assert rig.trainer.run() == "signal:SIGINT"
+
+    assert rig.optimizer.steps == [] and rig.summary.local_steps == 0
+    assert [epoch for epoch, _ in rig.observer.epochs] == [0]
+    assert rig.session.leaving_began == 1
+    assert rig.session.left_at_last_epoch == []  # only --max-epochs waits for stragglers
+    assert rig.store.list() == []
+
+
+def test_a_stop_during_a_step_ends_the_run_after_that_whole_step(tmp_path):
+    """A stop set inside step 2 lets that step finish, epoch 1 included (validated, checkpointed), then ends."""
+    rig = make_rig(tmp_path, max_epochs=10, checkpoint_every_epochs=1)
+    rig.observer.after_step = lambda n: rig.stop.set("SIGTERM") if n == 2 else None
+
+    assert rig.trainer.run() == "signal:SIGTERM"
+
+    assert rig.summary.local_steps == len(rig.optimizer.steps) == 2
+    assert [epoch for epoch, _ in rig.observer.epochs] == [0, 1]
+    assert rig.summary.global_epoch == 1
+    assert rig.checkpoint_epochs() == [1]
+    assert rig.session.leaving_began == 1 and rig.session.left_at_last_epoch == []
+
+
+def test_max_seconds_ends_the_run_at_the_first_step_boundary_past_it(tmp_path, monkeypatch):
+    """--max-seconds 2.5 with steps of one (fake) second each: three steps, then max_seconds."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    rig = make_rig(tmp_path, max_seconds=2.5, max_epochs=100)
+    rig.observer.after_step = lambda n: setattr(clock, "now", clock.now + 1.0)
+
+    assert rig.trainer.run() == "max_seconds"
+
+    assert len(rig.optimizer.steps) == 3
+    assert rig.summary.longest_step_seconds == 1.0
+    assert rig.session.leaving_began == 1 and rig.session.left_at_last_epoch == []
+
+
+# --- non-finite losses ---------------------------------------------------------------------------------------------
+
+
+def test_a_lone_peer_whose_loss_stays_nonfinite_stops_after_the_limit_without_a_download(tmp_path):
+    """peers == 1: no swarm to take weights from, so TrainingDiverged after LIMIT NaN batches, none stepped."""
+    loss = ScriptedLoss(lambda n: True)
+    rig = make_rig(tmp_path, mlp_task(loss), peers=1, max_epochs=3, checkpoint_every_epochs=1)
+
+    with pytest.raises(TrainingDiverged, match=f"non-finite for {LIMIT} batches in a row: training diverged") as error:
+        rig.trainer.run()
+
+    assert "even with the swarm's weights" not in str(error.value)
+    assert loss.batches == LIMIT
+    assert rig.optimizer.load_calls == 0
+    assert rig.summary.nonfinite_batches == LIMIT
+    assert rig.optimizer.steps == [] and rig.summary.local_steps == 0 and rig.summary.samples == 0
+    assert rig.session.leaving_began == 1
+    assert rig.store.list() == []  # diverged weights are not checkpointed
+
+
+def test_a_nonfinite_streak_takes_the_swarm_state_once_then_stops_if_it_goes_on(tmp_path):
+    """peers > 1: after LIMIT NaN batches one download, after LIMIT more TrainingDiverged 'even with the swarm's'."""
+    loss = ScriptedLoss(lambda n: True)
+    rig = make_rig(tmp_path, mlp_task(loss), peers=2, max_epochs=3)
+    downloads_before_batch: List[int] = []
+    loss.before_batch = lambda: downloads_before_batch.append(rig.optimizer.load_calls)
+
+    with pytest.raises(TrainingDiverged, match="even with the swarm's weights"):
+        rig.trainer.run()
+
+    assert downloads_before_batch == [0] * LIMIT + [1] * LIMIT
+    assert rig.summary.state_downloads == 1  # reported through the hooks to the tally
+    assert rig.summary.nonfinite_batches == 2 * LIMIT
+    assert rig.optimizer.steps == [] and rig.summary.local_steps == 0
+    assert rig.session.leaving_began == 1
+
+
+def test_a_finite_batch_resets_the_nonfinite_streak(tmp_path):
+    """LIMIT - 1 NaN batches, a finite one, LIMIT - 1 NaN, a finite one: no download, no error, two clean steps."""
+    loss = ScriptedLoss(lambda n: n % LIMIT != 0)
+    rig = make_rig(tmp_path, mlp_task(loss), peers=2, max_epochs=1)
+
+    assert rig.trainer.run() == "max_epochs"
+
+    assert loss.batches == 2 * LIMIT
+    assert rig.optimizer.load_calls == 0
+    assert rig.summary.nonfinite_batches == 2 * (LIMIT - 1)
+    assert rig.optimizer.steps == [BATCH, BATCH] and rig.summary.local_steps == 2
+    assert rig.optimizer.bad_gradient_steps == 0  # the NaN gradients were cleared, not added to the next batch's
+    assert math.isfinite(rig.summary.train_loss)
+
+
+def test_a_finite_batch_after_a_swarm_reset_allows_another_reset(tmp_path):
+    """NaN x LIMIT, finite, NaN x LIMIT, finite: the recovery in between earns the second streak a second download."""
+    loss = ScriptedLoss(lambda n: n not in (LIMIT + 1, 2 * LIMIT + 2))
+    rig = make_rig(tmp_path, mlp_task(loss), peers=2, max_epochs=1)
+
+    assert rig.trainer.run() == "max_epochs"
+
+    assert rig.optimizer.load_calls == 2
+    assert rig.summary.nonfinite_batches == 2 * LIMIT
+    assert rig.optimizer.steps == [BATCH, BATCH] and rig.optimizer.bad_gradient_steps == 0
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------------------
+
+
+def test_save_checkpoint_writes_model_optimizer_scheduler_epoch_and_counters(tmp_path, bytelm_tiny):
+    """The checkpoint holds the weights, optimizer and scheduler state, epoch and counters, after background updates."""
+    rig = make_rig(tmp_path, bytelm_tiny, max_epochs=2, checkpoint_every_epochs=100)
+    assert rig.trainer.run() == "max_epochs" and rig.store.list() == []
+
+    rig.trainer.save_checkpoint()
+
+    assert rig.checkpoint_epochs() == [2]
+    state = rig.store.load_latest().state
+    model_state = rig.model.state_dict()
+    assert state["model"].keys() == model_state.keys()
+    assert all(torch.equal(state["model"][name], model_state[name]) for name in model_state)
+    assert (state["optimizer"]["epoch"], state["optimizer"]["samples_accumulated"]) == (2, 0)
+    saved_buffers = [entry["momentum_buffer"] for entry in state["optimizer"]["inner"]["state"].values()]
+    assert same_tensors(saved_buffers, momentum_buffers(rig.optimizer))
+    assert state["scheduler"]["last_epoch"] == 2  # bytelm's LambdaLR, stepped once per epoch
+    assert (state["local_epoch"], state["local_steps"], state["samples"]) == (2, 4, 4 * BATCH)
+    assert (state["run_id"], state["task"], state["swarm_hash"]) == ("unit", "bytelm-tiny", rig.config.swarm_hash())
+    calls = rig.optimizer.calls
+    assert calls.index("wait_for_background_updates") < calls.index("state_dict")
+
+
+def test_a_checkpoint_restores_into_a_fresh_model_and_optimizer(tmp_path, bytelm_tiny):
+    """restore_model + restore_optimizer give back the weights, epoch, optimizer and scheduler state and counters."""
+    rig = make_rig(tmp_path, bytelm_tiny, max_epochs=2, checkpoint_every_epochs=2)
+    assert rig.trainer.run() == "max_epochs"
+    torch.manual_seed(1)
+    model, summary = bytelm_tiny.build_model(), PeerSummary(run_id="unit", task=bytelm_tiny.name)
+    assert not same_tensors(parameters_of(model), parameters_of(rig.model))
+
+    checkpoint = restore_model(rig.store, rig.config, bytelm_tiny.name, model)
+    optimizer = FakeOptimizer(model.parameters(), target_batch_size=TARGET,
+                              scheduler_factory=bytelm_tiny.build_scheduler)
+    restore_optimizer(checkpoint, optimizer, summary)
+
+    assert same_tensors(parameters_of(model), parameters_of(rig.model))
+    assert optimizer.local_epoch == rig.optimizer.local_epoch == 2
+    assert same_tensors(momentum_buffers(optimizer), momentum_buffers(rig.optimizer))
+    assert optimizer.scheduler.last_epoch == 2
+    assert optimizer.scheduler.get_last_lr() == rig.optimizer.scheduler.get_last_lr()
+    assert (summary.local_steps, summary.samples) == (rig.summary.local_steps, rig.summary.samples) == (4, 4 * BATCH)
+    assert summary.resumed_from == str(rig.store.list()[-1])
+
+
+def test_a_resumed_peer_continues_its_epochs_and_counters(tmp_path):
+    """Resumed at epoch 2 with --max-epochs 3: one more epoch, counters continuing from the checkpoint's."""
+    assert make_rig(tmp_path, max_epochs=2, checkpoint_every_epochs=2).trainer.run() == "max_epochs"
+
+    rig = make_rig(tmp_path, resume=True, max_epochs=3, checkpoint_every_epochs=1)
+    assert rig.trainer.run() == "max_epochs"
+
+    assert [epoch for epoch, _ in rig.observer.epochs] == [2, 3]
+    assert len(rig.optimizer.steps) == TARGET // BATCH
+    assert (rig.summary.local_steps, rig.summary.samples) == (3 * TARGET // BATCH, 3 * TARGET)
+    assert rig.checkpoint_epochs() == [2, 3]
+
+
+def test_an_empty_checkpoint_directory_restores_nothing(tmp_path):
+    """No checkpoint: restore_model returns None and leaves the model; restore_optimizer(None) changes nothing."""
+    task = mlp_task()
+    config, model = make_config(tmp_path, task), task.build_model()
+    before, summary = parameters_of(model), PeerSummary(run_id="unit", task=task.name)
+    optimizer = FakeOptimizer(model.parameters(), target_batch_size=TARGET)
+
+    checkpoint = restore_model(CheckpointStore(tmp_path / "ckpt"), config, task.name, model)
+    restore_optimizer(checkpoint, optimizer, summary)
+
+    assert checkpoint is None
+    assert same_tensors(parameters_of(model), before)
+    assert optimizer.local_epoch == 0 and summary.resumed_from is None
+
+
+@pytest.mark.parametrize("field, value", [("run_id", "another-run"), ("task", "another-task")])
+def test_a_checkpoint_of_another_run_or_task_is_refused(tmp_path, field, value):
+    """Resuming from another run's (or task's) checkpoint raises a RuntimeError naming --checkpoint-dir."""
+    rig = make_rig(tmp_path, max_epochs=1, checkpoint_every_epochs=1)
+    assert rig.trainer.run() == "max_epochs" and rig.checkpoint_epochs() == [1]
+    task = mlp_task()
+    if field == "task":
+        task = dataclasses.replace(task, name=value)
+    config = make_config(tmp_path, task, **({"run_id": value} if field == "run_id" else {}))
+    torch.manual_seed(0)
+    model = task.build_model()
+    before = parameters_of(model)
+
+    with pytest.raises(RuntimeError, match="use another --checkpoint-dir") as error:
+        restore_model(rig.store, config, task.name, model)
+
+    assert repr(value) in str(error.value)
+    assert same_tensors(parameters_of(model), before)  # not a single weight loaded
+
+
+# --- the round tally -----------------------------------------------------------------------------------------------
+
+
+def test_the_round_tally_counts_outcomes_and_the_largest_successful_group():
+    """on_round counts every outcome, keeps the largest group of ok rounds only, the last outcome, and reports on."""
+    summary, observer = PeerSummary(run_id="unit", task="unit-mlp"), RecordingObserver()
+    tally = RoundTally(summary, observer, PAYLOAD_BYTES)
+    reports = [RoundReport("ok", 1.0, 3), RoundReport("failed", 2.0, 5, "peer left"), RoundReport("ok", 1.0, 2),
+               RoundReport("skipped", 0.0, 9), RoundReport("timeout", 5.0, 7)]
+    assert tally.last_outcome is None
+
+    for report in reports:
+        tally.on_round(report)
+
+    assert summary.averaging_rounds == {"ok": 2, "failed": 1, "timeout": 1, "skipped": 1}
+    assert summary.largest_group == 3  # the failed, skipped and timed-out rounds' larger groups do not count
+    assert tally.last_outcome == "timeout"
+    assert observer.rounds == [(report, PAYLOAD_BYTES) for report in reports]
+
+
+def test_the_round_tally_hooks_feed_the_tally_and_time_phases_on_the_timer():
+    """hooks(timer): round_finished -> on_round, state_loaded -> state_downloads, phase -> the timer's phase."""
+    clock = SimpleNamespace(now=0.0)
+    timer = PhaseTimer(clock=lambda: clock.now)
+    summary = PeerSummary(run_id="unit", task="unit-mlp")
+    tally = RoundTally(summary, RecordingObserver(), PAYLOAD_BYTES)
+    hooks = tally.hooks(timer)
+
+    hooks.round_finished(RoundReport("ok", 1.0, 4))
+    hooks.state_loaded(7)
+    hooks.state_loaded(8)
+    with hooks.phase("averaging"):
+        clock.now += 2.0
+
+    assert (summary.averaging_rounds["ok"], summary.largest_group, tally.last_outcome) == (1, 4, "ok")
+    assert summary.state_downloads == 2
+    assert timer.totals()["averaging"] == 2.0
+
