@@ -46,7 +46,9 @@ def make_codec(name: str, adaptive_threshold: int = 2**16, adaptive_large_codec:
         raise ValueError(f"blockwise8 needs bitsandbytes; run {BITSANDBYTES_INSTALL}")
     if name == "adaptive":
         if adaptive_large_codec not in ("uint8", "quantile8", "blockwise8"):
-            raise ValueError(f"adaptive large codec must be uint8, quantile8 or blockwise8 (got {adaptive_large_codec!r})")
+            raise ValueError(
+                f"adaptive large codec must be uint8, quantile8 or blockwise8 (got {adaptive_large_codec!r})"
+            )
         return SizeAdaptiveCompression(
             threshold=adaptive_threshold, less=Float16Compression(), greater_equal=_FIXED[adaptive_large_codec]()
         )
@@ -73,7 +75,9 @@ def payload_bytes(tensors: Iterable[torch.Tensor], codec: CompressionBase) -> in
     return total
 
 
-def powersgd_factors(params: Sequence[torch.Tensor], rank: int, min_compression_ratio: float = 0.5) -> List[torch.Tensor]:
+def powersgd_factors(
+    params: Sequence[torch.Tensor], rank: int, min_compression_ratio: float = 0.5
+) -> List[torch.Tensor]:
     """The tensors one PowerSGD round sends: P (m x r) and Q (n x r) per compressed matrix, the rest as is.
 
     Mirrors hivemind's PowerSGDGradientAverager rule for which tensors it compresses.

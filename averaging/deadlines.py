@@ -79,7 +79,8 @@ class AdaptiveDeadlines:
         if outcome == "ok" and seconds > 0:
             self._round_seconds.append(seconds)
         elif outcome == "timeout":
-            self._round_seconds.append(self._current.averaging_timeout_seconds * self.timeout_growth / self.timeout_factor)
+            hit = self._current.averaging_timeout_seconds
+            self._round_seconds.append(hit * self.timeout_growth / self.timeout_factor)
 
     def observe_swarm(self, samples_per_second: float, target_batch_size: int) -> None:
         """The swarm's measured accumulation rate: an epoch should take target_batch_size / rate seconds."""

@@ -261,22 +261,21 @@ class DiLoCoOptimizer:
         """Average pseudo-gradients with a group; on any failure, this peer's own."""
         if self.tracker.global_progress.num_peers <= 1:
             return RoundReport("skipped", 0.0, 1, "no other peers"), pseudo_grads
-        started = time.monotonic()
+        started, timeout = time.monotonic(), self._deadlines.averaging_timeout_seconds
         with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
             for buffer, grad in zip(buffers, pseudo_grads):
                 buffer.copy_(grad)
         control = None
         try:
             # weighted like the sync strategy's gradients: by the samples this peer took inner steps on
-            control = self.grad_averager.step(
-                weight=float(max(1, self._samples_stepped)), timeout=self._deadlines.averaging_timeout_seconds, wait=False
-            )
-            gathered = control.result(timeout=self._deadlines.averaging_timeout_seconds)
+            control = self.grad_averager.step(weight=float(max(1, self._samples_stepped)), timeout=timeout, wait=False)
+            gathered = control.result(timeout=timeout)
             with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
                 averaged = [buffer.clone() for buffer in buffers]
             if not all_finite(averaged):  # a peer sent NaN/Inf: never apply it
                 logger.warning("the averaged pseudo-gradients hold NaN or Inf; using this peer's own")
-                return RoundReport("failed", time.monotonic() - started, len(gathered), "non-finite result"), pseudo_grads
+                report = RoundReport("failed", time.monotonic() - started, len(gathered), "non-finite result")
+                return report, pseudo_grads
             return RoundReport("ok", time.monotonic() - started, len(gathered)), averaged
         except BaseException as e:  # hivemind raises many kinds; all of them mean "use the local delta"
             if control is not None and not control.done():

@@ -29,7 +29,9 @@ def progress_record_ttl_seconds(config: AveragingConfig) -> float:
     return max(15.0, 3 * longest_matchmaking)
 
 
-def build_swarm_optimizer(config: AveragingConfig, replica: Replica, tracker_opts: Optional[dict] = None) -> SwarmOptimizer:
+def build_swarm_optimizer(
+    config: AveragingConfig, replica: Replica, tracker_opts: Optional[dict] = None
+) -> SwarmOptimizer:
     """The optimizer of config.strategy.
 
     :param tracker_opts: extra ProgressTracker options (tests give each in-process peer its own private_key)
@@ -62,7 +64,8 @@ def build_swarm_optimizer(config: AveragingConfig, replica: Replica, tracker_opt
     if config.strategy == "local-sgd":
         strategy_args = dict(use_local_updates=True, average_opt_statistics=tuple(config.average_opt_statistics))
     elif config.strategy == "powersgd":
-        strategy_args = dict(grad_averager_factory=partial(PowerSGDGradientAverager, averager_rank=config.powersgd_rank))
+        powersgd = partial(PowerSGDGradientAverager, averager_rank=config.powersgd_rank)
+        strategy_args = dict(grad_averager_factory=powersgd)
     if config.average_opt_statistics and config.strategy != "local-sgd":
         strategy_args["average_opt_statistics"] = tuple(config.average_opt_statistics)
     signing_key = progress.signing_key(tracker_opts)

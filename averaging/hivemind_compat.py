@@ -34,7 +34,6 @@ import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.compression.quantization import BlockwiseQuantization, Quantization
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
@@ -44,37 +43,44 @@ PINNED_VERSION = "1.1.12"
 LOOKUP_INTERVAL_SECONDS = 0.1
 DECLARE_INTERVAL_SECONDS = 0.5
 
+_OPTIMIZER = "hivemind.optim.optimizer.Optimizer"
+_STATE_AVERAGER = "hivemind.optim.state_averager.TrainingStateAverager"
+_AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
+_QUANTIZATION = "hivemind.compression.quantization"
+_TRACKER = "hivemind.optim.progress_tracker.ProgressTracker"
+
 # qualified name -> (sha256 of its source, first 16 hex digits; the module of ours that depends on it)
 UPSTREAM: Dict[str, Tuple[str, str]] = {
     # copied and patched here
-    "hivemind.compression.quantization.Quantization.extract": ("c522c9b6fd9ddaa2", "averaging/hivemind_compat.py"),
-    "hivemind.compression.quantization.BlockwiseQuantization.extract": ("83c934773cc388e2", "averaging/hivemind_compat.py"),
-    "hivemind.averaging.averager.DecentralizedAverager._declare_for_download_periodically":
-        ("23ae6db0d205bcaf", "averaging/hivemind_compat.py"),
-    "hivemind.averaging.key_manager.GroupKeyManager.get_averagers": ("916b0cdb1efbc75c", "averaging/hivemind_compat.py"),
-    "hivemind.averaging.averager.DecentralizedAverager.step": ("0bccfba139de5ec2", "averaging/hivemind_compat.py"),
+    f"{_QUANTIZATION}.Quantization.extract": ("c522c9b6fd9ddaa2", "averaging/hivemind_compat.py"),
+    f"{_QUANTIZATION}.BlockwiseQuantization.extract": ("83c934773cc388e2", "averaging/hivemind_compat.py"),
+    f"{_AVERAGER}._declare_for_download_periodically": ("23ae6db0d205bcaf", "averaging/hivemind_compat.py"),
+    "hivemind.averaging.key_manager.GroupKeyManager.get_averagers":
+        ("916b0cdb1efbc75c", "averaging/hivemind_compat.py"),
+    f"{_AVERAGER}.step": ("0bccfba139de5ec2", "averaging/hivemind_compat.py"),
     # overridden by SyncOptimizer, or mimicked by DiLoCoOptimizer
-    "hivemind.optim.optimizer.Optimizer.__init__": ("310edba41646edad", "averaging/sync.py"),
-    "hivemind.optim.optimizer.Optimizer._make_state_averager": ("59a43eff001c3284", "averaging/sync.py"),
-    "hivemind.optim.optimizer.Optimizer._make_gradient_averager": ("b9a4450197c1e6fb", "dht/keys.py"),
-    "hivemind.optim.optimizer.Optimizer._make_progress_tracker": ("a3fe70a367d732d6", "dht/keys.py"),
-    "hivemind.optim.optimizer.Optimizer._update_global_epoch": ("03a36523a3fce65e", "averaging/sync.py"),
-    "hivemind.optim.optimizer.Optimizer._check_and_accumulate_gradients": ("163c06c8f4909c30", "averaging/sync.py"),
-    "hivemind.optim.optimizer.Optimizer._begin_averaging_gradients": ("f17d8bb258a0c551", "averaging/sync.py"),
-    "hivemind.optim.optimizer.Optimizer._average_gradients_and_load_into_optimizer": ("d95bb5ebc061749e", "averaging/sync.py"),
-    "hivemind.optim.optimizer.Optimizer._should_load_state_from_peers": ("e1af5bdfc8e60b70", "averaging/sync.py, diloco.py"),
-    "hivemind.optim.optimizer.Optimizer.load_state_from_peers": ("87030a961ecf8f7f", "averaging/sync.py"),
-    "hivemind.optim.optimizer.Optimizer.shutdown": ("52e41b26128082bc", "averaging/sync.py"),
+    f"{_OPTIMIZER}.__init__": ("310edba41646edad", "averaging/sync.py"),
+    f"{_OPTIMIZER}._make_state_averager": ("59a43eff001c3284", "averaging/sync.py"),
+    f"{_OPTIMIZER}._make_gradient_averager": ("b9a4450197c1e6fb", "dht/keys.py"),
+    f"{_OPTIMIZER}._make_progress_tracker": ("a3fe70a367d732d6", "dht/keys.py"),
+    f"{_OPTIMIZER}._update_global_epoch": ("03a36523a3fce65e", "averaging/sync.py"),
+    f"{_OPTIMIZER}._check_and_accumulate_gradients": ("163c06c8f4909c30", "averaging/sync.py"),
+    f"{_OPTIMIZER}._begin_averaging_gradients": ("f17d8bb258a0c551", "averaging/sync.py"),
+    f"{_OPTIMIZER}._average_gradients_and_load_into_optimizer": ("d95bb5ebc061749e", "averaging/sync.py"),
+    f"{_OPTIMIZER}._should_load_state_from_peers": ("e1af5bdfc8e60b70", "averaging/sync.py, averaging/diloco.py"),
+    f"{_OPTIMIZER}.load_state_from_peers": ("87030a961ecf8f7f", "averaging/sync.py"),
+    f"{_OPTIMIZER}.shutdown": ("52e41b26128082bc", "averaging/sync.py"),
     # overridden by the guarded state averagers (and called with _make_state_averager's arguments)
-    "hivemind.optim.state_averager.TrainingStateAverager.__init__": ("97f573400a46cdf9", "averaging/state.py"),
-    "hivemind.optim.state_averager.TrainingStateAverager._apply_averaging_results_": ("32b49f6bd7088974", "averaging/state.py"),
-    "hivemind.optim.state_averager.TrainingStateAverager.load_state_from_peers": ("e4d647a9ea78cde8", "averaging/state.py"),
-    "hivemind.optim.state_averager.TrainingStateAverager._do": ("0b1896170cc6bdb0", "averaging/state.py"),
-    "hivemind.averaging.averager.DecentralizedAverager.load_state_from_peers": ("973fae40a3d1e16f", "averaging/state.py"),
+    f"{_STATE_AVERAGER}.__init__": ("97f573400a46cdf9", "averaging/state.py"),
+    f"{_STATE_AVERAGER}._apply_averaging_results_": ("32b49f6bd7088974", "averaging/state.py"),
+    f"{_STATE_AVERAGER}.load_state_from_peers": ("e4d647a9ea78cde8", "averaging/state.py"),
+    f"{_STATE_AVERAGER}._do": ("0b1896170cc6bdb0", "averaging/state.py"),
+    f"{_AVERAGER}.load_state_from_peers": ("973fae40a3d1e16f", "averaging/state.py"),
     # read or driven from outside
-    "hivemind.optim.progress_tracker.ProgressTracker._progress_reporter": ("affc9ed95108eacf", "averaging/progress.py"),
-    "hivemind.optim.progress_tracker.ProgressTracker._progress_fetcher": ("ed458942519098a2", "averaging/progress.py"),
-    "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager.__init__": ("cabf7da27882b293", "averaging/compression.py"),
+    f"{_TRACKER}._progress_reporter": ("affc9ed95108eacf", "averaging/progress.py"),
+    f"{_TRACKER}._progress_fetcher": ("ed458942519098a2", "averaging/progress.py"),
+    "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager.__init__":
+        ("cabf7da27882b293", "averaging/compression.py"),
 }
 
 
@@ -236,12 +242,11 @@ def _recorded_step(self: DecentralizedAverager, *args, **kwargs):
 
 
 _PATCHES: Dict[str, Callable] = {
-    "hivemind.compression.quantization.Quantization.extract": _quantization_extract,
-    "hivemind.compression.quantization.BlockwiseQuantization.extract": _blockwise_extract,
+    f"{_QUANTIZATION}.Quantization.extract": _quantization_extract,
+    f"{_QUANTIZATION}.BlockwiseQuantization.extract": _blockwise_extract,
     "hivemind.averaging.key_manager.GroupKeyManager.get_averagers": _paced_get_averagers,
-    "hivemind.averaging.averager.DecentralizedAverager._declare_for_download_periodically":
-        _paced_declare_for_download_periodically,
-    "hivemind.averaging.averager.DecentralizedAverager.step": _recorded_step,
+    f"{_AVERAGER}._declare_for_download_periodically": _paced_declare_for_download_periodically,
+    f"{_AVERAGER}.step": _recorded_step,
 }
 # the upstream originals, kept so that they can still be fingerprinted once patched
 _UNPATCHED: Dict[str, Callable] = {name: _resolve(name) for name in _PATCHES}

@@ -26,7 +26,9 @@ LOAD_STATE_ATTEMPTS = 3
 class RoundKeeper:
     """One per optimizer; created on the training thread."""
 
-    def __init__(self, hooks: AveragingHooks, deadlines: AdaptiveDeadlines, load_state_attempts: int = LOAD_STATE_ATTEMPTS):
+    def __init__(
+        self, hooks: AveragingHooks, deadlines: AdaptiveDeadlines, load_state_attempts: int = LOAD_STATE_ATTEMPTS
+    ):
         self.hooks, self.deadlines, self.load_state_attempts = hooks, deadlines, load_state_attempts
         self._training_thread = threading.current_thread()
         self._resync_requested = False
@@ -68,7 +70,8 @@ class RoundKeeper:
             except KeyboardInterrupt:
                 raise
             except BaseException as e:  # hivemind raises many kinds; each means "try again"
-                logger.warning(f"downloading state from peers failed ({e}), attempt {attempt} of {self.load_state_attempts}")
+                logger.warning(f"downloading state from peers failed ({e}), "
+                               f"attempt {attempt} of {self.load_state_attempts}")
         return False
 
     def report_download(self, loaded: bool, local_epoch: int) -> None:

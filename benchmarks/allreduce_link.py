@@ -81,7 +81,8 @@ class Worker:
         if initial_peer:
             cmd += ["--initial-peer", initial_peer]
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                        text=True, bufsize=1, cwd=common.REPO_ROOT, env=common.child_env(), start_new_session=True)
+                                        text=True, bufsize=1, cwd=common.REPO_ROOT, env=common.child_env(),
+                                        start_new_session=True)
         self.messages: "queue.Queue[dict]" = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -99,7 +100,8 @@ class Worker:
         try:
             message = self.messages.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"worker {self.index}: no '{event}' within {timeout:.0f}s; log tail:\n{self.tail()}")
+            raise TimeoutError(f"worker {self.index}: no '{event}' within {timeout:.0f}s; "
+                               f"log tail:\n{self.tail()}") from None
         if message.get("event") != event:
             raise RuntimeError(f"worker {self.index}: expected '{event}', got {message}; log tail:\n{self.tail()}")
         return message
@@ -162,7 +164,8 @@ def run_session(run: common.Run, peers: int, size_mib: float, links: List[str], 
             if bridge is not None:
                 bridge.set_rate(link)
             # about a second's worth at the nominal rate, so that tbf's initial burst hardly counts
-            nbytes = int(64 * 2**20) if link == LOOPBACK else int(netns.rate_bits_per_second(link) / 8 * args.tcp_seconds)
+            nbytes = (int(64 * 2**20) if link == LOOPBACK
+                      else int(netns.rate_bits_per_second(link) / 8 * args.tcp_seconds))
             workers[1].send(cmd="listen")
             port = workers[1].expect("listen", 30)["port"]
             workers[0].send(cmd="send", host=ip(1), port=port, bytes=nbytes)
@@ -270,9 +273,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-loopback", action="store_true", help="skip the 127.0.0.1 rows")
     args = p.parse_args(argv)
     mode = args.mode
-    peer_counts = [int(x) for x in (args.peers or common.by_mode(mode, smoke="2", quick="2,4", full="2,4,8")).split(",")]
-    sizes = [float(x) for x in (args.sizes_mib or common.by_mode(mode, smoke="1", quick="16", full="64,256")).split(",")]
-    links = (args.links or common.by_mode(mode, smoke="100mbit", quick="100mbit,1gbit", full="100mbit,1gbit")).split(",")
+    peer_counts = [int(x) for x in
+                   (args.peers or common.by_mode(mode, smoke="2", quick="2,4", full="2,4,8")).split(",")]
+    sizes = [float(x) for x in
+             (args.sizes_mib or common.by_mode(mode, smoke="1", quick="16", full="64,256")).split(",")]
+    links = (args.links
+             or common.by_mode(mode, smoke="100mbit", quick="100mbit,1gbit", full="100mbit,1gbit")).split(",")
     args.rounds = args.rounds or common.by_mode(mode, smoke=1, quick=3, full=5)
     args.warmup_rounds = args.warmup_rounds if mode != "smoke" else 0
     args.matchmaking_seconds = args.matchmaking_seconds or common.by_mode(mode, smoke=1.0, quick=1.5, full=2.0)

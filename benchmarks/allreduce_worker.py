@@ -67,11 +67,11 @@ def wait_for_group(control, deadline: float) -> None:
 
 class Peer:
     def __init__(self, args):
+        import hivemind
         import torch
 
-        import hivemind
-        from averaging.config import AveragingConfig
         from averaging.api import Replica
+        from averaging.config import AveragingConfig
         from averaging.factory import build_swarm_optimizer
         from dht.config import DHTConfig
         from dht.keys import SwarmKeys

@@ -42,7 +42,8 @@ def parser(name: str, doc: Optional[str]) -> argparse.ArgumentParser:
     group.add_argument("--quick", action="store_const", dest="mode", const="quick",
                        help="smaller sizes and fewer rounds: each script finishes in under 5 minutes on 2 CPU cores")
     group.add_argument("--smoke", action="store_const", dest="mode", const="smoke",
-                       help="the smallest configuration, for tests: checks that the script runs, measures nothing useful")
+                       help="the smallest configuration, for tests: checks that the script runs, "
+                            "measures nothing useful")
     p.set_defaults(mode="full")
     p.add_argument("--output", type=Path, default=RESULTS_DIR / f"{name}.json",
                    help=f"where to write the JSON result (default: benchmarks/results/{name}.json)")

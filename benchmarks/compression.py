@@ -167,7 +167,8 @@ def main(argv=None) -> int:
                 done = time.time()
                 if r >= warmup:
                     timings[name].append({"ok": ok, "error": error, "round": r, "round_seconds": done - started,
-                                          "matchmaking_seconds": grouped - started, "allreduce_seconds": done - grouped})
+                                          "matchmaking_seconds": grouped - started,
+                                          "allreduce_seconds": done - grouped})
                 run.log(f"round {r} {name:>11}: matchmaking {grouped - started:.2f}s all-reduce {done - grouped:.3f}s "
                         f"{'ok' if ok else 'FAILED ' + str(error)}")
     finally:

@@ -49,7 +49,7 @@ import tempfile
 import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -99,9 +99,9 @@ class Ways:
     """The four training loops of one device, built once and run window by window."""
 
     def __init__(self, task_name: str, batch_size: Optional[int], workers: int, device_name: str, tmp: Path):
+        import hivemind
         import torch
 
-        import hivemind
         from peer.builder import PeerBuilder
         from peer.config import load_config
         from peer.data import endless, make_loader
@@ -240,7 +240,8 @@ def measure_device(run: common.Run, device: str, args, settings: dict) -> dict:
         "daemon_over_plain": common.stats(common.paired_ratios(rates["daemon"], rates["plain"]), 4),
         "hivemind_over_plain": common.stats(common.paired_ratios(rates["hivemind"], rates["plain"]), 4),
         "daemon_over_hivemind": common.stats(common.paired_ratios(rates["daemon"], rates["hivemind"]), 4),
-        "monitoring_on_over_off": common.stats(common.paired_ratios(rates["daemon"], rates["daemon_monitoring_off"]), 4),
+        "monitoring_on_over_off": common.stats(
+            common.paired_ratios(rates["daemon"], rates["daemon_monitoring_off"]), 4),
     }
     on_off = ratios["monitoring_on_over_off"]["median"]
     overhead = None if on_off is None else 1.0 - on_off

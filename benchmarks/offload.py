@@ -62,13 +62,13 @@ def child(args) -> int:
     """Train one configuration for --steps steps; write peak memory and step times to --child-output."""
     import torch
 
-    from averaging.config import AveragingConfig
     from averaging.api import Replica
+    from averaging.config import AveragingConfig
     from averaging.factory import build_swarm_optimizer
     from dht.config import DHTConfig
     from dht.keys import SwarmKeys
     from dht.node import shutdown_dht, start_dht
-    from peer.tasks.bytelm import ByteTransformer, VOCAB_SIZE
+    from peer.tasks.bytelm import VOCAB_SIZE, ByteTransformer
 
     device = torch.device(args.device)
     flags = CONFIGS[args.child]

@@ -46,7 +46,8 @@ def local_overhead(doc: dict) -> str:
             f"{_f(ratio['daemon_over_plain']['median'])} ({_f(ratio['daemon_over_plain']['min'], 2)}–"
             f"{_f(ratio['daemon_over_plain']['max'], 2)}) | {_f(ratio['hivemind_over_plain']['median'])} | "
             f"{_f(ratio['monitoring_on_over_off']['median'])} ({_f(ratio['monitoring_on_over_off']['min'], 2)}–"
-            f"{_f(ratio['monitoring_on_over_off']['max'], 2)}) | daemon ≥ 0.97: {'yes' if goals['daemon_meets'] else 'no'}; "
+            f"{_f(ratio['monitoring_on_over_off']['max'], 2)}) | "
+            f"daemon ≥ 0.97: {'yes' if goals['daemon_meets'] else 'no'}; "
             f"monitoring ≤ 2%: {'yes' if goals['monitoring_meets'] else 'no'} |")
     return (f"samples/s are medians over {r['rounds']} interleaved rounds ({r['task']}, batch {r['batch_size']}, "
             f"{r['data_workers']} data workers, {r['torch_threads']} torch threads); ratios are medians of per-round "
@@ -66,11 +67,15 @@ def allreduce_link(doc: dict) -> str:
     ratio_lines = ["| peers | MiB | link | ours/bare all-reduce | ours/bare round |", "|---|---|---|---|---|"]
     for row in r["ratios"]:
         ratio_lines.append(f"| {row['peers']} | {row['size_mib']:g} | {row['link']} | "
-                           f"{_f(row['ours_over_bare_allreduce']['median'])} | {_f(row['ours_over_bare_round']['median'])} |")
+                           f"{_f(row['ours_over_bare_allreduce']['median'])} | "
+                           f"{_f(row['ours_over_bare_round']['median'])} |")
     ours = r["ours"]["averager"] or {}
-    return (f"Network: {r['network']} ({r['network_note']}). Matchmaking window {r['settings']['matchmaking_seconds']} s "
-            f"for both; ours = `{ours.get('class')}` with compression {ours.get('compression')}, request_timeout "
-            f"{ours.get('request_timeout')} s, all-reduce timeout {ours.get('allreduce_timeout')} s, next_chunk_timeout "
+    return (f"Network: {r['network']} ({r['network_note']}). "
+            f"Matchmaking window {r['settings']['matchmaking_seconds']} s "
+            f"for both; ours = `{ours.get('class')}` with compression {ours.get('compression')}, "
+            f"request_timeout "
+            f"{ours.get('request_timeout')} s, all-reduce timeout {ours.get('allreduce_timeout')} s, "
+            f"next_chunk_timeout "
             f"{ours.get('next_chunk_timeout')} s. Medians over {r['settings']['rounds']} rounds after "
             f"{r['settings']['warmup_rounds']} warm-up.\n\n" + "\n".join(lines) + "\n\n" + "\n".join(ratio_lines))
 
@@ -81,7 +86,8 @@ def compression(doc: dict) -> str:
              "|---|---|---|---|---|---|"]
     for name, row in r["codecs"].items():
         ar = row.get("allreduce_seconds", {}).get("median")
-        lines.append(f"| {name} | {row['payload_ratio']:.3f} | {row['rel_l2_error']:.2e} | {row['max_abs_error']:.2e} | "
+        lines.append(f"| {name} | {row['payload_ratio']:.3f} | {row['rel_l2_error']:.2e} | "
+                     f"{row['max_abs_error']:.2e} | "
                      f"{_f(ar, 3)} | {_f(row.get('allreduce_over_none', {}).get('median'))} |")
     for name, reason in r["skipped"].items():
         lines.append(f"| {name} | skipped: {reason} |||||")
@@ -118,9 +124,11 @@ def scaling(doc: dict) -> str:
     rates = hiding["local_samples_per_second"]
     hide = ["| run | peers | flags | local samples/s per peer | averaging rounds |", "|---|---|---|---|---|"]
     for row in hiding["runs"]:
-        hide.append(f"| {row['name']} | {row['peers']} | {' '.join(row['flags'])} | {row['local_samples_per_second']} | "
+        hide.append(f"| {row['name']} | {row['peers']} | {' '.join(row['flags'])} | "
+                    f"{row['local_samples_per_second']} | "
                     f"{row['averaging_rounds']} |")
-    return (text + f"\n\nCommunication hiding (target batch {r['hiding_target_batch_size']}, {r['hiding_seconds']:.0f} s "
+    return (text + f"\n\nCommunication hiding (target batch {r['hiding_target_batch_size']}, "
+                   f"{r['hiding_seconds']:.0f} s "
             f"runs): alone {_f(rates['alone'], 1)}, delay_updates {_f(rates['delay_updates'], 1)}, blocking "
             f"{_f(rates['blocking'], 1)} samples/s; hiding ratio {_f(hiding['hiding_ratio'])}, blocking ratio "
             f"{_f(hiding['blocking_ratio'])}.\n\n" + "\n".join(hide))

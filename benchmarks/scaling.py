@@ -88,7 +88,8 @@ class Peer:
         prefix = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
         self.process = subprocess.Popen([*prefix, sys.executable, "-m", "peer", "start", *args],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        text=True, bufsize=1, cwd=log_dir, env=common.child_env(OMP_NUM_THREADS=str(threads)), start_new_session=True)
+                                        text=True, bufsize=1, cwd=log_dir,
+                                        env=common.child_env(OMP_NUM_THREADS=str(threads)), start_new_session=True)
         self.launched = time.monotonic()
         self.joined_at: Optional[float] = None
         self.join_address: Optional[str] = None
@@ -167,7 +168,8 @@ def launch(peers: int, extra: List[str], base: List[str], plan, threads: int, wo
 
 
 def scaling_run(run: common.Run, peers: int, repeat: int, settings: dict, base: List[str], work: Path) -> dict:
-    plan, oversubscribed = cpu_plan(peers, settings["cores"], settings["cores_per_peer"], settings["pinning"] == "taskset")
+    plan, oversubscribed = cpu_plan(peers, settings["cores"], settings["cores_per_peer"],
+                                    settings["pinning"] == "taskset")
     label = f"scaling-n{peers}-r{repeat}"
     started: List[Peer] = []
     row = {"peers": peers, "repeat": repeat, "cpu_sets": plan, "oversubscribed": oversubscribed, "reached": False}
@@ -213,7 +215,8 @@ def hiding_run(run: common.Run, name: str, settings: dict, base: List[str], work
     import json
 
     peers, flags = HIDING_RUNS[name]
-    plan, oversubscribed = cpu_plan(peers, settings["cores"], settings["cores_per_peer"], settings["pinning"] == "taskset")
+    plan, oversubscribed = cpu_plan(peers, settings["cores"], settings["cores_per_peer"],
+                                    settings["pinning"] == "taskset")
     label = f"hiding-{name}-r{repeat}"
     started: List[Peer] = []
     row = {"name": name, "peers": peers, "flags": flags, "repeat": repeat, "cpu_sets": plan,
@@ -253,7 +256,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-hiding", action="store_true")
     args = p.parse_args(argv)
     mode = args.mode
-    peer_counts = [int(x) for x in (args.peers or common.by_mode(mode, smoke="1,2", quick="1,2,4", full="1,2,4")).split(",")]
+    peer_counts = [int(x) for x in
+                   (args.peers or common.by_mode(mode, smoke="1,2", quick="1,2,4", full="1,2,4")).split(",")]
     cores = sorted(os.sched_getaffinity(0))
     share = max(1, len(cores) // max(peer_counts))
     settings = {

@@ -30,7 +30,7 @@ def check_multiaddr(maddr: str) -> None:
     try:
         Multiaddr(maddr)
     except Exception as e:
-        raise ValueError(f"malformed multiaddr {maddr!r} ({e}); expected e.g. {MULTIADDR_EXAMPLE}")
+        raise ValueError(f"malformed multiaddr {maddr!r} ({e}); expected e.g. {MULTIADDR_EXAMPLE}") from None
 
 
 def read_initial_peers_file(path: Path) -> List[str]:
@@ -43,7 +43,7 @@ def read_initial_peers_file(path: Path) -> List[str]:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
-        raise ValueError(f"cannot read {path} ({reason}); check the path and its permissions")
+        raise ValueError(f"cannot read {path} ({reason}); check the path and its permissions") from None
     maddrs = []
     for number, line in enumerate(text.splitlines(), start=1):
         maddr = line.split("#", 1)[0].strip()
@@ -52,7 +52,7 @@ def read_initial_peers_file(path: Path) -> List[str]:
         try:
             check_multiaddr(maddr)
         except ValueError as e:
-            raise ValueError(f"{path} line {number}: {e}")
+            raise ValueError(f"{path} line {number}: {e}") from None
         maddrs.append(maddr)
     if not maddrs:
         raise ValueError(f"{path} lists no multiaddrs; add one per line (e.g. {MULTIADDR_EXAMPLE}) or drop the option")
@@ -87,14 +87,17 @@ class DHTConfig(BaseModel):
     )
     announce_maddrs: List[str] = Field(
         default_factory=list,
-        description="Public multiaddrs to advertise to others, when they differ from the listen addresses (NAT, containers).",
+        description="Public multiaddrs to advertise to others, when they differ from the listen addresses "
+        "(NAT, containers).",
     )
     client_mode: bool = Field(
         default=False,
         description="Accept no incoming connections (for peers behind NAT); such peers cannot serve state to others.",
     )
     startup_timeout_seconds: float = Field(
-        default=30.0, gt=0, description="Bound on one start attempt (p2p daemon start and reaching an initial peer) before a retry."
+        default=30.0,
+        gt=0,
+        description="Bound on one start attempt (p2p daemon start and reaching an initial peer) before a retry.",
     )
     startup_attempts: int = Field(
         default=3, ge=1, description="Attempts to start the DHT and reach an initial peer, with exponential backoff."

@@ -33,7 +33,8 @@ def read_identity(path: Path) -> str:
         data = path.read_bytes()
     except OSError as e:
         raise IdentityError(
-            f"identity file {path} cannot be read ({e.strerror or e}); fix its permissions or point --identity elsewhere"
+            f"identity file {path} cannot be read ({e.strerror or e}); "
+            "fix its permissions or point --identity elsewhere"
         ) from e
     try:
         return PeerID.from_identity(data).to_base58()

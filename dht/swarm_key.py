@@ -25,7 +25,9 @@ def read_swarm_key(path: Path) -> bytes:
     try:
         secret = Path(path).read_bytes().strip()
     except OSError as e:
-        raise SwarmKeyError(f"cannot read swarm key {path} ({e.strerror or e}); check the path and permissions")
+        raise SwarmKeyError(
+            f"cannot read swarm key {path} ({e.strerror or e}); check the path and permissions"
+        ) from None
     if len(secret) < MIN_SECRET_BYTES:
         raise SwarmKeyError(
             f"swarm key {path} holds {len(secret)} bytes, fewer than {MIN_SECRET_BYTES}; "

@@ -68,7 +68,8 @@ class SwarmCollector(Collector):
 
         info = GaugeMetricFamily("swarm_peer_info", "1 per live peer, with its description.",
                                  labels=["peer", "version", "device", "client_mode"])
-        speed = GaugeMetricFamily("swarm_peer_samples_per_second", "A peer's reported samples per second.", labels=["peer"])
+        speed = GaugeMetricFamily("swarm_peer_samples_per_second", "A peer's reported samples per second.",
+                                  labels=["peer"])
         epoch = GaugeMetricFamily("swarm_peer_global_epoch", "A peer's last global epoch.", labels=["peer"])
         last_seen = GaugeMetricFamily("swarm_peer_last_seen_seconds", "Seconds since a peer last published its record.",
                                       labels=["peer"])

@@ -92,7 +92,8 @@ def print_addresses(config: PeerConfig, peer_id: str, maddrs: List[str], written
     if written_to is not None:
         lines.append(f"(written to {written_to}; peers can pass --initial-peers-file {written_to})")
     if maddrs:
-        lines += ["To join this swarm, run:", f"  peer start --run-id {config.training.run_id} --initial-peers {maddrs[0]}"]
+        lines += ["To join this swarm, run:",
+                  f"  peer start --run-id {config.training.run_id} --initial-peers {maddrs[0]}"]
     print("\n".join(lines), flush=True)
 
 

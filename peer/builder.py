@@ -25,7 +25,14 @@ from averaging.factory import build_swarm_optimizer, progress_record_ttl_seconds
 from dht.keys import SwarmKeys
 from dht.node import quiet_dht_logs, shutdown_dht, start_dht
 from dht.records import PeerInfo, PeerInfoPublisher, record_validators
-from monitoring import BottleneckClassifier, HealthCheck, MetricsExporter, MetricsPortInUseError, PeerMetrics, PhaseTimer
+from monitoring import (
+    BottleneckClassifier,
+    HealthCheck,
+    MetricsExporter,
+    MetricsPortInUseError,
+    PeerMetrics,
+    PhaseTimer,
+)
 from peer.checkpoint import CheckpointStore
 from peer.config import PeerConfig
 from peer.data import make_loader

@@ -153,7 +153,9 @@ class CheckpointStore:
         except OSError as exc:
             # The file is in place but its name may not survive a power loss, so report the
             # failure and skip pruning: older checkpoints stay as the fallback.
-            raise CheckpointError(f"wrote checkpoint {final_path} but cannot fsync its directory: {_describe(exc)}") from exc
+            raise CheckpointError(
+                f"wrote checkpoint {final_path} but cannot fsync its directory: {_describe(exc)}"
+            ) from exc
 
     def _prune(self) -> None:
         for _, path in self._scan()[: -self.keep]:

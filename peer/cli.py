@@ -11,9 +11,12 @@ from typing import Any, List, Optional
 import click
 from click.core import ParameterSource
 
+from peer.bootstrap import bootstrap
 from peer.config import OPTIONS_BY_CLI
 from peer.exit_codes import ExitCode
+from peer.monitor import monitor
 from peer.options import config_options_for, resolve_config
+from peer.status import status
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -79,10 +82,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     sys.exit(code or 0)
 
 
-# --- commands that live in their own modules (one import and one add_command each) ---
-from peer.bootstrap import bootstrap  # noqa: E402
-cli.add_command(bootstrap)
-from peer.status import status  # noqa: E402
-cli.add_command(status)
-from peer.monitor import monitor  # noqa: E402
-cli.add_command(monitor)
+# commands that live in their own modules
+for command in (bootstrap, status, monitor):
+    cli.add_command(command)

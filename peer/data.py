@@ -62,7 +62,9 @@ def resolve_device(requested: str) -> torch.device:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, loss_fn: Callable, device: torch.device, max_batches: int) -> float:
+def evaluate(
+    model: torch.nn.Module, loader: DataLoader, loss_fn: Callable, device: torch.device, max_batches: int
+) -> float:
     """Mean loss over up to max_batches validation batches."""
     was_training = model.training
     model.eval()

@@ -56,7 +56,8 @@ def needs_of_others(epoch: int, progress: Mapping[bytes, object], leaving: Mappi
         if owner == me or their_epoch is None:
             continue
         announced = leaving.get(owner)
-        state = announced.get("state") if isinstance(announced, dict) and announced.get("epoch") == their_epoch else None
+        state = (announced.get("state")
+                 if isinstance(announced, dict) and announced.get("epoch") == their_epoch else None)
         if state == DONE or (their_epoch > epoch and state is None):
             needs[owner] = Need.NOTHING  # done at its own epoch (a lower --max-epochs, too), or training on ahead
         elif their_epoch < epoch or state == DOWNLOADING:

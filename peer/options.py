@@ -13,9 +13,8 @@ from typing import Any, Callable, Dict, Iterable, Optional
 import click
 from click.core import ParameterSource
 
-from peer.exit_codes import ExitCode
 from peer.config import CONFIG_FILE_ENV, OPTIONS_BY_CLI, ConfigError, PeerConfig, load_config
-
+from peer.exit_codes import ExitCode
 
 
 def config_options_for(names: Optional[Iterable[str]] = None) -> Callable[[Callable], Callable]:

@@ -90,7 +90,8 @@ class SwarmSession:
         """Before the first step: if the swarm is ahead of this peer, download its state."""
         global_epoch, local_epoch = self.optimizer.swarm_view().global_epoch, self.optimizer.local_epoch
         if global_epoch > local_epoch:
-            logger.info(f"the swarm is at epoch {global_epoch}, this peer at {local_epoch}: downloading state from peers")
+            logger.info(f"the swarm is at epoch {global_epoch}, this peer at {local_epoch}: "
+                        f"downloading state from peers")
             self.optimizer.load_state_from_peers()
 
     # --- leaving -----------------------------------------------------------------------------

@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Optional
 
 import click
 
+from peer.config import PeerConfig
 from peer.exit_codes import ExitCode
 from peer.options import config_options_for, resolve_config
-from peer.config import PeerConfig
 
 STATUS_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "swarm_key", "target_batch_size", "verbose"]
 SHORT_ID_CHARS = 8
@@ -95,7 +95,10 @@ def join_as_client(config: PeerConfig, timeout_seconds: float):
     )
     # hivemind's validators strip signatures on read; without them signed values would not parse
     keys = SwarmKeys.for_run(config.training.run_id, config.dht.swarm_key)
-    validators = [*record_validators(config.training.run_id), SchemaValidator(TrainingProgressSchema, prefix=keys.namespace)]
+    validators = [
+        *record_validators(config.training.run_id),
+        SchemaValidator(TrainingProgressSchema, prefix=keys.namespace),
+    ]
     try:
         return start_dht(dht_config, record_validators=validators)
     except DHTStartError as e:

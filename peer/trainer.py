@@ -128,6 +128,7 @@ class Trainer:
         self._phase_boundary: Callable[[], None] = torch.cuda.synchronize if measure_gpu else (lambda: None)
         self._nonfinite_streak = 0
         self._reset_from_swarm = False  # whether this streak of non-finite losses already took the swarm's state
+        self._epoch_finished = 0  # the last epoch the loop validated and reported
 
     def close(self) -> None:
         """Let the persistent DataLoader workers exit (they live as long as their loader)."""
@@ -157,7 +158,7 @@ class Trainer:
         batches = endless(self.train_loader)
         val_loss = self.validate()
         self.summary.val_loss_first = self.summary.val_loss_last = val_loss
-        self.summary.global_epoch = self.optimizer.local_epoch
+        self.summary.global_epoch = self._epoch_finished = self.optimizer.local_epoch
         self.observer.on_epoch(self.optimizer.local_epoch, val_loss)
         stats = EpochStats(started_at=time.monotonic())
 
@@ -227,9 +228,11 @@ class Trainer:
             logger.warning(f"the loss was non-finite for {NONFINITE_LOSS_LIMIT} batches in a row: "
                            f"replacing this peer's weights with the swarm's state")
             self._reset_from_swarm = True
-            self.optimizer.load_state_from_peers()
-            return
-        after = " even with the swarm's weights" if self._reset_from_swarm else ""
+            if self.optimizer.load_state_from_peers():
+                return
+            after = " and no peer sent its state to start over from"
+        else:
+            after = " even with the swarm's weights" if self._reset_from_swarm else ""
         raise TrainingDiverged(
             f"the loss was non-finite for {NONFINITE_LOSS_LIMIT} batches in a row{after}: training diverged or "
             f"the task's data or loss function produce NaN/Inf; lower the learning rate or fix the task, "
@@ -255,5 +258,8 @@ class Trainer:
             samples_per_second=stats.samples / elapsed,
             peers=max(1, self.optimizer.swarm_view().peers),
         )
-        if epoch % self.config.checkpoint.checkpoint_every_epochs == 0:
+        # every K epochs, also when a state download jumps over a multiple of K
+        every, previous = self.config.checkpoint.checkpoint_every_epochs, self._epoch_finished
+        self._epoch_finished = epoch
+        if epoch // every > previous // every:
             self.save_checkpoint()

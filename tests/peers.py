@@ -34,7 +34,8 @@ FAST_SWARM_ARGS = [
 
 
 def start_peer(spawn, tmp_path: Path, name: str, *extra: str, env: Optional[Dict[str, str]] = None) -> "PeerProcess":
-    """`peer start` with the fast settings, its own checkpoint directory tmp_path/name and summary tmp_path/name.json."""
+    """`peer start` with the fast settings, its own checkpoint directory tmp_path/name and summary
+    tmp_path/name.json."""
     return spawn(name, "start", *FAST_SWARM_ARGS, "--checkpoint-dir", str(tmp_path / name),
                  "--summary-json", str(tmp_path / f"{name}.json"), *extra, env=env)
 
@@ -86,7 +87,7 @@ class PeerProcess:
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise TimeoutError(f"peer {self.pid} still running after {timeout:.0f}s:\n{self.log()[-3000:]}")
+            raise TimeoutError(f"peer {self.pid} still running after {timeout:.0f}s:\n{self.log()[-3000:]}") from None
 
     def descendants(self) -> List[psutil.Process]:
         try:

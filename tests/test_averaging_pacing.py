@@ -1,4 +1,5 @@
-"""The pacing in averaging/hivemind_compat.py: hivemind's matchmaking lookups and donor declarations are spaced out, and none is lost."""
+"""The pacing in averaging/hivemind_compat.py: hivemind's matchmaking lookups and donor declarations are spaced out,
+and none is lost."""
 from __future__ import annotations
 
 import asyncio
@@ -90,7 +91,7 @@ def test_building_an_optimizer_installs_the_pacing(monkeypatch):
 
     monkeypatch.setattr(GroupKeyManager, "get_averagers", pacing._unpaced_get_averagers)
     monkeypatch.setattr(DecentralizedAverager, "_declare_for_download_periodically", None)
-    with pytest.raises(Exception):  # the replica is unusable on purpose: only what happens first matters
+    with pytest.raises(AttributeError):  # the replica is unusable on purpose: only what happens first matters
         build_swarm_optimizer(AveragingConfig(target_batch_size=8), replica=None)
     assert GroupKeyManager.get_averagers is pacing._paced_get_averagers
     assert DecentralizedAverager._declare_for_download_periodically is pacing._paced_declare_for_download_periodically

@@ -74,7 +74,8 @@ def test_local_overhead_smoke(tmp_path: Path):
 def test_allreduce_link_smoke(tmp_path: Path):
     results, pid = run_benchmark("allreduce_link", tmp_path, timeout=130)
     assert results["network"] in ("netns", "loopback-only")
-    assert {"peers", "sizes_mib", "links", "rounds", "matchmaking_seconds", "grad_compression"} <= results["settings"].keys()
+    assert {"peers", "sizes_mib", "links", "rounds", "matchmaking_seconds",
+            "grad_compression"} <= results["settings"].keys()
     assert results["ours"]["averager"]["class"] == "GradientAverager"
     assert results["bare"]["averager"]["class"] == "DecentralizedAverager"
     assert results["rows"] and results["ratios"]
@@ -97,7 +98,7 @@ def test_compression_smoke(tmp_path: Path):
     assert {"task", "parameters", "fp32_bytes", "codecs", "skipped", "round_codecs"} <= results.keys()
     expected = {"none", "fp16", "scaled-fp16", "uint8", "quantile8", "adaptive"}
     assert expected <= set(results["codecs"]) | set(results["skipped"])
-    for name, row in results["codecs"].items():
+    for row in results["codecs"].values():
         assert {"payload_bytes", "payload_ratio", "rel_l2_error", "max_abs_error"} <= row.keys()
     assert results["codecs"]["none"]["payload_ratio"] == pytest.approx(1.0, abs=0.01)
     assert results["codecs"]["none"]["rel_l2_error"] == 0

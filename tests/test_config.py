@@ -76,7 +76,11 @@ def test_every_problem_reported_in_one_pass(tmp_path: Path):
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        ({"batch_size": "0"}, "--batch-size (training.batch_size) = '0' from flag --batch-size: Input should be greater than or equal to 1"),
+        (
+            {"batch_size": "0"},
+            "--batch-size (training.batch_size) = '0' from flag --batch-size: "
+            "Input should be greater than or equal to 1",
+        ),
         ({"target_batch_size": "-5"}, "--target-batch-size"),
         ({"max_epochs": "1.5"}, "--max-epochs"),
         ({"metrics_port": "70000"}, "--metrics-port"),
@@ -159,7 +163,10 @@ def test_two_options_with_one_cli_name_are_refused_naming_both():
     with pytest.raises(ValueError) as error:
         index_options({"fetch": _Fetch, "clash": Clash})
     message = str(error.value)
-    assert "fetch.timeout_seconds and clash.timeout_seconds share the command-line name 'fetch_timeout_seconds'" in message
+    assert (
+        "fetch.timeout_seconds and clash.timeout_seconds share the command-line name 'fetch_timeout_seconds'"
+        in message
+    )
 
     class Plain(BaseModel):  # no cli_name: the field name is the flag, as in a second section that forgot one
         timeout_seconds: float = 1.0

@@ -17,6 +17,8 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from dht.keys import peers_key
+from dht.node import shutdown_dht, visible_maddrs
 from dht.records import (
     MAX_TTL_SECONDS,
     MAX_VALUE_BYTES,
@@ -26,8 +28,6 @@ from dht.records import (
     read_peer_infos,
     record_validators,
 )
-from dht.keys import peers_key
-from dht.node import shutdown_dht, visible_maddrs
 
 RUN_ID = "records-test"
 
@@ -51,7 +51,9 @@ class AlwaysSigns(RSASignatureValidator):
 
 
 def chain(signer: RSASignatureValidator) -> CompositeValidator:
-    return CompositeValidator([SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID), RecordLimitsValidator(RUN_ID), signer])
+    return CompositeValidator(
+        [SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID), RecordLimitsValidator(RUN_ID), signer]
+    )
 
 
 def signed_record(signer: RSASignatureValidator, owner: bytes, value, expiration_time: float = None) -> DHTRecord:
@@ -121,7 +123,9 @@ def test_far_future_expiration_is_rejected(victim):
 
 
 def test_other_keys_are_not_limited(victim):
-    record = DHTRecord(DHTID.generate(source="elsewhere").to_bytes(), b"", b"x" * (2 * MAX_VALUE_BYTES), get_dht_time() + 10**6)
+    record = DHTRecord(
+        DHTID.generate(source="elsewhere").to_bytes(), b"", b"x" * (2 * MAX_VALUE_BYTES), get_dht_time() + 10**6
+    )
     assert RecordLimitsValidator(RUN_ID).validate(record)
 
 
@@ -131,7 +135,8 @@ def test_forger_cannot_overwrite_or_pollute_across_real_nodes(victim):
     forging_node = None
     try:
         forger_key = RSAPrivateKey()
-        forging = [SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID), RecordLimitsValidator(RUN_ID), AlwaysSigns(forger_key)]
+        forging = [SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID), RecordLimitsValidator(RUN_ID),
+                   AlwaysSigns(forger_key)]
         forging_node = DHT(initial_peers=visible_maddrs(honest), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
                            record_validators=forging)
         key, own_subkey = peers_key(RUN_ID), RSASignatureValidator().local_public_key  # the honest node's key

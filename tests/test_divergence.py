@@ -10,7 +10,8 @@ from tests.peers import FAST_SWARM_ARGS
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("task", ["tests.tasks_for_tests:make_nan_loss_task", "tests.tasks_for_tests:make_diverging_task"])
+@pytest.mark.parametrize("task", ["tests.tasks_for_tests:make_nan_loss_task",
+                                  "tests.tasks_for_tests:make_diverging_task"])
 def test_a_lone_peer_whose_loss_stays_nonfinite_stops_with_one_clear_error(spawn, tmp_path: Path, task):
     summary_path = tmp_path / "summary.json"
     peer = spawn("peer", "start", *FAST_SWARM_ARGS, "--task", task, "--target-batch-size", "16",

@@ -56,7 +56,8 @@ def test_a_peer_that_finishes_first_stays_until_a_straggler_has_the_final_state(
                           str(epochs), "--averaging-timeout-seconds", str(timeout), *extra, env=env)
 
     first = start("a")
-    straggler = start("b", "--initial-peers", first.join_address(), "--task", "tests.tasks_for_tests:make_straggler_task",
+    straggler = start("b", "--initial-peers", first.join_address(),
+                      "--task", "tests.tasks_for_tests:make_straggler_task",
                       env={"STRAGGLE_AFTER_EPOCH": str(epochs - 1), "STRAGGLE_SECONDS": str(timeout + 4)})
     for peer in (first, straggler):
         assert peer.wait(90) == 0, peer.log()[-4000:]

@@ -73,7 +73,8 @@ def test_every_contract_metric_is_exported_and_counters_move(spawn):
     second = scrape(port)
     for counter in ("peer_samples_total", "peer_local_steps_total"):
         assert value(second, counter) > value(first, counter) > 0
-    assert value(second, "peer_phase_seconds_total", phase="forward") > value(first, "peer_phase_seconds_total", phase="forward")
+    assert (value(second, "peer_phase_seconds_total", phase="forward")
+            > value(first, "peer_phase_seconds_total", phase="forward"))
     assert value(second, "peer_category_seconds_total", category="compute") > 0
     assert value(second, "peer_global_epoch") >= 4
     assert value(second, "peer_averaging_rounds_total", outcome="skipped") >= 4  # alone: every round is skipped
@@ -105,8 +106,10 @@ def test_healthz_turns_503_when_the_training_loop_stalls(spawn):
 @pytest.mark.parametrize(
     "task, extra, expected",
     [
-        ("tests.tasks_for_tests:make_slow_data_task", ["--data-workers", "1", "--target-batch-size", "64"], "preprocessing"),
-        ("tests.tasks_for_tests:make_heavy_model_task", ["--data-workers", "1", "--target-batch-size", "100000"], "compute"),
+        ("tests.tasks_for_tests:make_slow_data_task", ["--data-workers", "1", "--target-batch-size", "64"],
+         "preprocessing"),
+        ("tests.tasks_for_tests:make_heavy_model_task", ["--data-workers", "1", "--target-batch-size", "100000"],
+         "compute"),
     ],
 )
 def test_single_peer_bottleneck_is_classified(spawn, task, extra, expected):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from averaging.compression import round_payload_bytes
 from averaging.api import RoundReport
+from averaging.compression import round_payload_bytes
 from monitoring import BottleneckClassifier, HealthCheck, PeerMetrics
 from peer.builder import MetricsObserver
 from peer.config import load_config
@@ -21,7 +21,8 @@ def sent_bytes_after_one_round(codec: str, params, group_size: int = 4) -> float
     return registry.get_sample_value("peer_sent_bytes_total")
 
 
-@pytest.mark.parametrize("codec, ratio, tolerance", [("fp16", 0.5, 0.01), ("uint8", 0.25, 0.02), ("quantile8", 0.25, 0.02)])
+@pytest.mark.parametrize("codec, ratio, tolerance",
+                         [("fp16", 0.5, 0.01), ("uint8", 0.25, 0.02), ("quantile8", 0.25, 0.02)])
 def test_counters_show_the_codec_ratio_on_the_default_model(codec, ratio, tolerance):
     params = list(load_task("bytelm").build_model().parameters())  # codebooks of 8-bit codecs weigh on tiny tensors
     fp32 = sent_bytes_after_one_round("none", params)

@@ -109,7 +109,8 @@ def test_churn_soak(spawn, tmp_path: Path, soak_seconds: float):
     for name, rss in survivors_rss.items():  # hivemind is known to leak on failed rounds: bound the growth
         assert rss - rss_start[name] < 300 * 2**20, f"{name} grew by {(rss - rss_start[name]) / 2**20:.0f} MiB"
     for victim in killed:  # killed or stopped, a peer leaves no child behind
-        wait_until(lambda: not session_processes(victim.pid), 20, message=f"the children of {victim.pid} to exit")
+        wait_until(lambda victim=victim: not session_processes(victim.pid), 20,
+                   message=f"the children of {victim.pid} to exit")
     for name in names:
         store = CheckpointStore(tmp_path / name)
         assert store.list(), f"{name} has no checkpoint"

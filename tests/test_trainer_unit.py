@@ -58,6 +58,8 @@ class FakeOptimizer:
         self.steps: List[Optional[int]] = []  # the batch size of every step
         self.bad_gradient_steps = 0  # steps taken with a missing or non-finite gradient
         self.load_calls = 0
+        self.download_succeeds = True  # False: as if no peer sent its state
+        self.epoch_increments: Iterable[int] = itertools.repeat(1)  # > 1: a download jumped over epochs
         self.calls: List[str] = []  # the order of the calls around checkpoints and downloads
 
     @property
@@ -82,7 +84,7 @@ class FakeOptimizer:
         self.samples_accumulated += batch_size
         if self.samples_accumulated >= self.target_batch_size:
             self.samples_accumulated -= self.target_batch_size
-            self._epoch += 1
+            self._epoch += next(self.epoch_increments)
             if self._scheduler is not None:
                 self._scheduler.step()
             self.hooks.round_finished(RoundReport(next(self.outcomes), seconds=0.1, group_size=self.group_size))
@@ -100,8 +102,9 @@ class FakeOptimizer:
     def load_state_from_peers(self) -> bool:
         self.load_calls += 1
         self.calls.append("load_state_from_peers")
-        self.hooks.state_loaded(self._epoch)
-        return True
+        if self.download_succeeds:
+            self.hooks.state_loaded(self._epoch)
+        return self.download_succeeds
 
     def wait_for_background_updates(self) -> None:
         self.calls.append("wait_for_background_updates")
@@ -300,6 +303,15 @@ def test_run_stops_at_max_epochs_after_validating_each_epoch_and_leaves_with_the
     assert (state["local_epoch"], state["local_steps"], state["samples"]) == (2, 2 * TARGET // BATCH, 2 * TARGET)
 
 
+def test_an_epoch_jump_over_a_multiple_of_k_still_writes_the_checkpoint(tmp_path):
+    """Epochs 1, 3, 4 (a download jumped over 2) with every 2 epochs: checkpoints at 3 and 4, not at 4 alone."""
+    rig = make_rig(tmp_path, max_epochs=4, checkpoint_every_epochs=2, keep_checkpoints=5)
+    rig.optimizer.epoch_increments = iter([1, 2, 1])
+    assert rig.trainer.run() == "max_epochs"
+    assert [epoch for epoch, _ in rig.observer.epochs] == [0, 1, 3, 4]
+    assert rig.checkpoint_epochs() == [3, 4]
+
+
 @pytest.mark.parametrize("every, expected", [(1, [1, 2, 3]), (2, [2]), (3, [3]), (4, [])])
 def test_the_loop_writes_a_checkpoint_every_k_epochs(tmp_path, every, expected):
     """A checkpoint at each epoch that is a multiple of --checkpoint-every-epochs, never at the initial epoch 0."""
@@ -399,6 +411,20 @@ def test_a_nonfinite_streak_takes_the_swarm_state_once_then_stops_if_it_goes_on(
     assert rig.summary.nonfinite_batches == 2 * LIMIT
     assert rig.optimizer.steps == [] and rig.summary.local_steps == 0
     assert rig.session.leaving_began == 1
+
+
+def test_a_nonfinite_streak_whose_download_gets_nothing_stops_and_says_so(tmp_path):
+    """peers > 1 but no peer sends its state: stop after LIMIT batches, without claiming the swarm's weights failed."""
+    loss = ScriptedLoss(lambda n: True)
+    rig = make_rig(tmp_path, mlp_task(loss), peers=2, max_epochs=3)
+    rig.optimizer.download_succeeds = False
+
+    with pytest.raises(TrainingDiverged, match="and no peer sent its state to start over from") as error:
+        rig.trainer.run()
+
+    assert "even with the swarm's weights" not in str(error.value)
+    assert loss.batches == LIMIT and rig.optimizer.load_calls == 1
+    assert rig.summary.state_downloads == 0
 
 
 def test_a_finite_batch_resets_the_nonfinite_streak(tmp_path):

@@ -153,7 +153,8 @@ def swarm_overview() -> Dict:
     panels = [
         stat("Peers", "Peers of the swarm visible to the peers (max over peers; each counts itself).",
              [target(f"max(peer_swarm_peers{{{PEERS}}})")]),
-        stat("Global epoch", "Highest global epoch reached by any peer.", [target(f"max(peer_global_epoch{{{PEERS}}})")]),
+        stat("Global epoch", "Highest global epoch reached by any peer.",
+             [target(f"max(peer_global_epoch{{{PEERS}}})")]),
         stat("Swarm samples/s", "Training throughput of the whole swarm, as the peers report it.",
              [target(f"max(peer_swarm_samples_per_second{{{PEERS}}})")]),
         stat("Progress to target batch", "Samples accumulated in this global epoch / --target-batch-size.",
