@@ -96,6 +96,7 @@ class DiLoCoOptimizer:
             dht=dht, prefix=keys.namespace, target_batch_size=config.target_batch_size, client_mode=self.client_mode,
             start=True, **dict(tracker_opts, private_key=self.signing_key),
         )
+        progress.believe_plausible_claims(self.tracker, self.signing_key, matchmaking_floor)
         self.state_averager = GuardedStateAverager(
             dht=dht,
             prefix=keys.diloco_state,
@@ -192,6 +193,8 @@ class DiLoCoOptimizer:
                 self.state_averager.local_epoch = self.tracker.global_epoch
                 self._update_scheduler()
             self._start_next_round()
+        if loaded:
+            progress.served(self.tracker, self.local_epoch)
         self.rounds.report_download(loaded, self.local_epoch)
         return loaded
 
@@ -288,6 +291,8 @@ class DiLoCoOptimizer:
 
     def _should_load_state_from_peers(self) -> bool:
         """Upstream hivemind.Optimizer's rule, plus a resync after a failed round."""
+        if not self.rounds.download_allowed():
+            return False
         if self.rounds.take_resync():
             return True
         if self._check_sync_on_next_step and self.tracker.fetched_global_progress_this_epoch.is_set():

@@ -15,7 +15,9 @@ averager processes inherit the patched classes at fork:
   a second per peer on a 2-peer test swarm (1.6 cores), paced here to about 20 (0.5 cores), with
   as many epochs a second;
 - open rounds: every round started in this process is recorded, so that a leaving peer can drop
-  the rounds nobody will join (averaging/open_rounds.py).
+  the rounds nobody will join (averaging/open_rounds.py);
+- progress claims: a tracker with a ClaimFilter attached (averaging/claims.py) reads only the
+  progress records that filter believes.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
@@ -76,6 +79,7 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_STATE_AVERAGER}.load_state_from_peers": ("e4d647a9ea78cde8", "averaging/state.py"),
     f"{_STATE_AVERAGER}._do": ("0b1896170cc6bdb0", "averaging/state.py"),
     f"{_AVERAGER}.load_state_from_peers": ("973fae40a3d1e16f", "averaging/state.py"),
+    f"{_TRACKER}._parse_swarm_progress_data": ("1b5ad87469d3c13f", "averaging/hivemind_compat.py"),
     # read or driven from outside
     f"{_TRACKER}._progress_reporter": ("affc9ed95108eacf", "averaging/progress.py"),
     f"{_TRACKER}._progress_fetcher": ("ed458942519098a2", "averaging/progress.py"),
@@ -241,12 +245,25 @@ def _recorded_step(self: DecentralizedAverager, *args, **kwargs):
     return result
 
 
+# --- progress claims ---------------------------------------------------------------------------
+
+_unfiltered_parse = ProgressTracker._parse_swarm_progress_data
+
+
+def _filtered_parse(self: ProgressTracker, metadata):
+    claims = getattr(self, "claims", None)  # set by averaging/progress.py on the trackers we build
+    if claims is not None and isinstance(metadata, dict):
+        metadata = claims.filter(metadata, get_dht_time())
+    return _unfiltered_parse(self, metadata)
+
+
 _PATCHES: Dict[str, Callable] = {
     f"{_QUANTIZATION}.Quantization.extract": _quantization_extract,
     f"{_QUANTIZATION}.BlockwiseQuantization.extract": _blockwise_extract,
     "hivemind.averaging.key_manager.GroupKeyManager.get_averagers": _paced_get_averagers,
     f"{_AVERAGER}._declare_for_download_periodically": _paced_declare_for_download_periodically,
     f"{_AVERAGER}.step": _recorded_step,
+    f"{_TRACKER}._parse_swarm_progress_data": _filtered_parse,
 }
 # the upstream originals, kept so that they can still be fingerprinted once patched
 _UNPATCHED: Dict[str, Callable] = {name: _resolve(name) for name in _PATCHES}

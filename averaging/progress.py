@@ -2,9 +2,9 @@
 
 The tracker counts the swarm's samples toward the target batch from signed progress records
 (one subkey per peer, owned by the peer's RSA key). This module turns it into a SwarmView, makes
-it fetch afresh on demand, and publishes a peer's record before it has any samples (the tracker
+it fetch afresh on demand, publishes a peer's record before it has any samples (the tracker
 itself publishes only once a peer has accumulated some, so peers waiting at a start gate would be
-invisible to each other).
+invisible to each other), and makes it believe only plausible records (averaging/claims.py).
 """
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from averaging.api import SwarmView
+from averaging.claims import ClaimFilter
+
+MIN_CLOCK_SKEW_SECONDS = 5.0
 
 
 def signing_key(tracker_opts: dict) -> RSAPrivateKey:
@@ -41,6 +44,23 @@ def announce(tracker: ProgressTracker, key: RSAPrivateKey) -> None:
     owner = RSASignatureValidator(key).local_public_key
     tracker.dht.store(tracker.training_progress_key, subkey=owner, value=tracker.local_progress.dict(),
                       expiration_time=get_dht_time() + tracker.metadata_expiration)
+
+
+def believe_plausible_claims(tracker: ProgressTracker, key: RSAPrivateKey, matchmaking_seconds: float) -> None:
+    """From its next fetch on, the tracker reads only the records a ClaimFilter believes (never its own).
+
+    A clock more than the matchmaking window (at least MIN_CLOCK_SKEW_SECONDS) ahead of ours is wrong for
+    averaging anyway: such a peer's records are not believed, so it cannot drive the swarm's epochs.
+    """
+    skew = max(MIN_CLOCK_SKEW_SECONDS, matchmaking_seconds)
+    tracker.claims = ClaimFilter(RSASignatureValidator(key).local_public_key, tracker.target_batch_size,
+                                 max_ttl_seconds=tracker.metadata_expiration + skew, max_clock_skew_seconds=skew)
+
+
+def served(tracker: ProgressTracker, epoch: int, refresh_timeout_seconds: float = 2.0) -> None:
+    """After a state download reached `epoch`: claims far beyond it are judged from there, starting now."""
+    tracker.claims.served(epoch, get_dht_time())
+    _fetch_now(tracker, refresh_timeout_seconds)
 
 
 def _fetch_now(tracker: ProgressTracker, timeout_seconds: float) -> None:

@@ -6,12 +6,16 @@
 - Resync: a round that failed or timed out while the swarm went on without this peer leaves it
   apart; it then downloads the swarm's state before its next step instead of drifting.
 - Deadlines: with 'auto', they are chosen again after every epoch from the swarm's rate.
-- State downloads: a bounded number of attempts instead of hivemind's `while True`.
+- State downloads: a bounded number of attempts instead of hivemind's `while True`, and after a
+  download that got nothing, the next one waits (2 s, doubling up to a minute): a peer whose
+  downloads keep failing (another model's shapes, a claimed epoch nobody can serve) must not ask
+  the swarm for its whole state on every step.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import nullcontext
 from typing import Callable, ContextManager, Iterable, Optional
 
@@ -21,6 +25,7 @@ from averaging.deadlines import AdaptiveDeadlines, Deadlines
 logger = logging.getLogger(__name__)
 
 LOAD_STATE_ATTEMPTS = 3
+DOWNLOAD_BACKOFF_SECONDS = (2.0, 60.0)
 
 
 class RoundKeeper:
@@ -32,6 +37,8 @@ class RoundKeeper:
         self.hooks, self.deadlines, self.load_state_attempts = hooks, deadlines, load_state_attempts
         self._training_thread = threading.current_thread()
         self._resync_requested = False
+        self._failed_downloads, self._next_download_at = 0, float("-inf")
+        self.clock = time.monotonic
 
     def phase(self, name: str) -> ContextManager:
         if threading.current_thread() is self._training_thread:
@@ -61,8 +68,22 @@ class RoundKeeper:
                         f"averaging timeout {after.averaging_timeout_seconds:.1f}s")
         return after
 
+    def download_allowed(self) -> bool:
+        """Whether an automatic download may start now (after failed ones it backs off)."""
+        return self.clock() >= self._next_download_at
+
     def download_state(self, download: Callable[[], None]) -> bool:
         """Run `download` up to load_state_attempts times; True once one succeeds."""
+        loaded = self._attempt_download(download)
+        if loaded:
+            self._failed_downloads, self._next_download_at = 0, float("-inf")
+        else:
+            first, longest = DOWNLOAD_BACKOFF_SECONDS
+            self._next_download_at = self.clock() + min(longest, first * 2**self._failed_downloads)
+            self._failed_downloads += 1
+        return loaded
+
+    def _attempt_download(self, download: Callable[[], None]) -> bool:
         for attempt in range(1, self.load_state_attempts + 1):
             try:
                 download()

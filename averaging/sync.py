@@ -58,6 +58,7 @@ class SyncOptimizer(hivemind.Optimizer):
                 f"client_mode={requested_client_mode} conflicts with the DHT's client_mode={self.client_mode}; "
                 f"start the DHT with the same client mode"
             )
+        progress.believe_plausible_claims(self.tracker, signing_key, self.matchmaking_time)
         if rounds.deadlines.auto:
             self._apply_deadlines(rounds.deadlines.current)
 
@@ -81,6 +82,8 @@ class SyncOptimizer(hivemind.Optimizer):
         """Upstream's, with a bounded number of attempts instead of `while True`; True if state was loaded."""
         with self.rounds.phase("state_sync"):
             loaded = self._load_state_from_peers_bounded(**kwargs)
+            if loaded:
+                progress.served(self.tracker, self.local_epoch)
         self.rounds.report_download(loaded, self.local_epoch)
         return loaded
 
@@ -167,6 +170,8 @@ class SyncOptimizer(hivemind.Optimizer):
         self.rounds.finish_round(report, left_behind=self.tracker.global_epoch > self.local_epoch)
 
     def _should_load_state_from_peers(self) -> bool:
+        if not self.rounds.download_allowed():
+            return False
         return self.rounds.take_resync() or super()._should_load_state_from_peers()
 
     # --- helpers -------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Two namespaces:
 - open: "<run_id>_peers", the signed PeerInfo records that `peer status` and `peer monitor` read
   with nothing but the run id;
-- training: progress, the start gate, leave records and every averager. Its prefix is the run id,
+- training: the run manifest, progress, the start gate, leave records and every averager. Its prefix is the run id,
   or with --swarm-key a keyed digest of it (dht/swarm_key.py), so that a peer without the secret
   never finds the swarm's groups nor counts toward its progress.
 
@@ -44,6 +44,11 @@ class SwarmKeys:
     def progress(self) -> str:
         """hivemind's training progress records (a ProgressTracker with prefix=namespace)."""
         return f"{self.namespace}_progress"
+
+    @property
+    def manifest(self) -> str:
+        """The run manifest (dht/manifest.py): keyed too, so that outsiders cannot read or claim it."""
+        return f"{self.namespace}_manifest"
 
     @property
     def start_gate(self) -> str:

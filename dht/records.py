@@ -1,11 +1,12 @@
-"""Signed, typed swarm records: who is in the run, and how each peer is doing.
+"""Signed, typed swarm records: who is in the run, how each peer is doing, and what the run is.
 
-Each peer publishes a PeerInfo under the key "<run_id>_peers", in a subkey that holds its
+Each peer publishes a PeerInfo under the key "<run_id>_peers", and a copy of the run's manifest
+(dht/manifest.py) under "<training namespace>_manifest", each in a subkey that holds its
 own RSA public key. hivemind's RSASignatureValidator then lets only the owner of that key
 write the subkey, and SchemaValidator rejects values of the wrong shape. hivemind's
 schema validation is built on pydantic v1 models, so these records use `pydantic.v1`.
 RecordLimitsValidator bounds what one peer can make every other node store: values of at
-most MAX_VALUE_BYTES, expiring at most MAX_TTL_SECONDS ahead. A record that expires far in
+most MAX_VALUE_BYTES, expiring at most MAX_TTL_SECONDS ahead (both keys). A record that expires far in
 the future would outlive its peer and, since the DHT keeps the entry that expires last,
 could never be replaced by that peer's fresh records.
 Every node of a run (peers, bootstrap nodes, `peer status`) installs the same validators.
@@ -14,16 +15,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import hivemind
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
-from pydantic.v1 import BaseModel, StrictBool, confloat, conint, conlist, constr
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictInt, confloat, conint, conlist, constr
 
-from dht.keys import peers_key
+from dht.keys import SwarmKeys, peers_key
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +54,37 @@ class SwarmRecordsSchema(BaseModel):
     peers: Dict[BytesWithPublicKey, Optional[PeerInfo]]
 
 
-class RecordLimitsValidator(RecordValidatorBase):
-    """Rejects PeerInfo records that are too large or expire too far in the future.
+_SettingText = constr(strict=True, max_length=256)
 
-    Only the run's peers key is checked; other keys (hivemind's own) pass through.
+
+class RunManifest(BaseModel):
+    """What every peer of a run must share (dht/manifest.py says how it is agreed on)."""
+
+    protocol: conint(ge=0, strict=True)
+    """The daemon's swarm protocol version: peers of different versions cannot train together."""
+    settings: Dict[constr(strict=True, max_length=64), Union[StrictInt, StrictFloat, _SettingText]]
+    """By the command-line name of the option that sets each one ("task", "target_batch_size", ...)."""
+    created: confloat(strict=True)
+    """When the run's first peer made it (DHT time): the older of two equally shared manifests wins."""
+
+
+class ManifestSchema(BaseModel):
+    manifest: Dict[BytesWithPublicKey, Optional[RunManifest]]
+
+
+class RecordLimitsValidator(RecordValidatorBase):
+    """Rejects records of the given keys that are too large or expire too far in the future.
+
+    Other keys (hivemind's own) pass through.
     """
 
-    def __init__(self, run_id: str, max_value_bytes: int = MAX_VALUE_BYTES, max_ttl_seconds: float = MAX_TTL_SECONDS):
-        self.key_id = DHTID.generate(source=peers_key(run_id)).to_bytes()
+    def __init__(self, keys: List[str], max_value_bytes: int = MAX_VALUE_BYTES,
+                 max_ttl_seconds: float = MAX_TTL_SECONDS):
+        self.key_ids = {DHTID.generate(source=key).to_bytes() for key in keys}
         self.max_value_bytes, self.max_ttl_seconds = max_value_bytes, max_ttl_seconds
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key != self.key_id:
+        if record.key not in self.key_ids:
             return True
         if len(record.value) > self.max_value_bytes:
             logger.debug(f"rejected a peer record of {len(record.value)} bytes (limit {self.max_value_bytes})")
@@ -80,9 +100,14 @@ class RecordLimitsValidator(RecordValidatorBase):
         return 20
 
 
-def record_validators(run_id: str) -> List:
+def record_validators(keys: SwarmKeys) -> List:
     """Validators every DHT node of the run must install: typed, bounded values in owner-signed subkeys."""
-    return [SchemaValidator(SwarmRecordsSchema, prefix=run_id), RecordLimitsValidator(run_id), RSASignatureValidator()]
+    return [
+        SchemaValidator(SwarmRecordsSchema, prefix=keys.run_id),
+        SchemaValidator(ManifestSchema, prefix=keys.namespace),
+        RecordLimitsValidator([keys.peers, keys.manifest]),
+        RSASignatureValidator(),
+    ]
 
 
 def read_peer_infos(dht: hivemind.DHT, run_id: str, timeout_seconds: float = 10.0) -> Dict[bytes, PeerInfo]:
@@ -120,35 +145,34 @@ def read_by_owner(dht: hivemind.DHT, key: str) -> Dict[bytes, object]:
     return {owner: entry.value for owner, entry in entries if getattr(entry, "value", None) is not None}
 
 
-class PeerInfoPublisher(threading.Thread):
-    """Publishes this peer's record every few seconds until stopped."""
+class RecordPublisher(threading.Thread):
+    """Stores make_value() in this peer's own subkey of key every period until stopped (None: skip this time)."""
 
     def __init__(
         self,
         dht: hivemind.DHT,
-        run_id: str,
-        make_info: Callable[[], PeerInfo],
+        key: str,
+        make_value: Callable[[], Optional[dict]],
         period_seconds: float = PUBLISH_PERIOD_SECONDS,
         ttl_seconds: float = RECORD_TTL_SECONDS,
+        withdraw_on_stop: bool = True,
     ):
-        super().__init__(name="PeerInfoPublisher", daemon=True)
-        self.dht, self.key, self.make_info = dht, peers_key(run_id), make_info
-        self.period_seconds, self.ttl_seconds = period_seconds, ttl_seconds
+        super().__init__(name=f"RecordPublisher({key})", daemon=True)
+        self.dht, self.key, self.make_value = dht, key, make_value
+        self.period_seconds, self.ttl_seconds, self.withdraw_on_stop = period_seconds, ttl_seconds, withdraw_on_stop
         self.owner_key = own_subkey()
         self._stop_event = threading.Event()
 
     def publish_now(self, timeout_seconds: float = 10.0) -> bool:
         try:
-            future = self.dht.store(
-                self.key,
-                subkey=self.owner_key,
-                value=self.make_info().dict(),
-                expiration_time=get_dht_time() + self.ttl_seconds,
-                return_future=True,
-            )
+            value = self.make_value()
+            if value is None:
+                return False
+            future = self.dht.store(self.key, subkey=self.owner_key, value=value,
+                                    expiration_time=get_dht_time() + self.ttl_seconds, return_future=True)
             return bool(future.result(timeout=timeout_seconds))
         except Exception as e:  # publishing is best-effort: training goes on without it
-            logger.debug(f"could not publish peer record: {e!r}")
+            logger.debug(f"could not publish {self.key}: {e!r}")
             return False
 
     def run(self) -> None:
@@ -157,14 +181,23 @@ class PeerInfoPublisher(threading.Thread):
             self._stop_event.wait(self.period_seconds)
 
     def stop(self, timeout_seconds: float = 5.0) -> None:
-        """Stop publishing and say goodbye: an empty record, so that status and monitors drop us at once."""
+        """Stop publishing; with withdraw_on_stop, say goodbye with an empty record, so that readers drop us at once."""
         self._stop_event.set()
         if self.is_alive():
             self.join(timeout_seconds)
+        if not self.withdraw_on_stop:
+            return
         try:
             self.dht.store(
                 self.key, subkey=self.owner_key, value=None,
                 expiration_time=get_dht_time() + self.ttl_seconds, return_future=True,
             ).result(timeout=timeout_seconds)
         except Exception as e:  # best-effort: the record expires by itself within its TTL
-            logger.debug(f"could not withdraw peer record: {e!r}")
+            logger.debug(f"could not withdraw {self.key}: {e!r}")
+
+
+class PeerInfoPublisher(RecordPublisher):
+    """Publishes this peer's PeerInfo every few seconds until stopped, then withdraws it."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str, make_info: Callable[[], PeerInfo], **kwargs):
+        super().__init__(dht, peers_key(run_id), lambda: make_info().dict(), **kwargs)

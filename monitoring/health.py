@@ -3,6 +3,9 @@
 The training loop calls `HealthCheck.beat()` whenever it makes progress; the exporter calls
 the check to answer `/healthz`. It must not inspect the swarm, the DHT or the device: a peer
 that waits for others still beats (or is judged by the window the operator chose).
+
+A peer that trains but cannot do part of its job (its checkpoints fail) is `degrade()`d with a
+reason until `recover()`: unhealthy, so that an operator looks, while training goes on.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ class HealthCheck:
         self._clock = clock
         self._created_at = clock()
         self._last_beat: Optional[float] = None
+        self._degraded: Optional[str] = None
         self._lock = threading.Lock()
 
     def beat(self) -> None:
@@ -29,8 +33,26 @@ class HealthCheck:
         with self._lock:
             self._last_beat = now
 
+    def degrade(self, reason: str) -> None:
+        """Unhealthy for `reason` (one line for a person) until recover(), whatever the training loop does."""
+        with self._lock:
+            self._degraded = " ".join(str(reason).split()) or "degraded"
+
+    def recover(self) -> None:
+        """Undo degrade(); the training loop's liveness decides again. Harmless when not degraded."""
+        with self._lock:
+            self._degraded = None
+
     def __call__(self) -> Tuple[bool, str]:
         """(ok, reason): the reason is one line for a person, e.g. "no training progress for 93s (window 60s)"."""
+        ok, reason = self._liveness()
+        with self._lock:
+            degraded = self._degraded
+        if degraded is None:
+            return ok, reason
+        return False, f"degraded: {degraded}" if ok else f"{reason}; degraded: {degraded}"
+
+    def _liveness(self) -> Tuple[bool, str]:
         now = self._clock()
         with self._lock:
             last_beat = self._last_beat

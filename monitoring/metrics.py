@@ -45,6 +45,7 @@ PEER_METRICS: Dict[str, str] = {
     "peer_averaging_group_size": "gauge",
     "peer_sent_bytes_total": "counter",
     "peer_received_bytes_total": "counter",
+    "peer_checkpoint_failures_total": "counter",
     "peer_info": "gauge",
     "peer_gpu_memory_allocated_bytes": "gauge",
     "peer_gpu_memory_peak_bytes": "gauge",
@@ -131,6 +132,11 @@ class PeerMetrics:
             "not measured on the wire (excludes protocol overhead, DHT and state-download traffic).",
             registry=r,
         )
+        self.checkpoint_failures = Counter(
+            "peer_checkpoint_failures",
+            "Checkpoints that could not be written (full, read-only or missing disk); the peer kept training.",
+            registry=r,
+        )
         self.info = Gauge(
             "peer_info", "Constant 1, labelled with this peer's software version, device, strategy and compression.",
             list(INFO_LABELS), registry=r,
@@ -194,6 +200,10 @@ class PeerMetrics:
                 self.averaging_group_size.set(group_size)
         self.sent_bytes.inc(max(0, sent_bytes))
         self.received_bytes.inc(max(0, received_bytes))
+
+    def record_checkpoint_failure(self) -> None:
+        """A checkpoint could not be written."""
+        self.checkpoint_failures.inc()
 
     def set_info(self, version: str, device: str, strategy: str, compression: str) -> None:
         """Describe this peer; replaces any earlier description, so `peer_info` has exactly one series."""

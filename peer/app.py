@@ -1,7 +1,8 @@
 """`peer start`: assemble a peer (peer/builder.py), train, and take it apart within a deadline.
 
 Exit codes (peer/exit_codes.py): 0 after a clean stop (max epochs, max seconds, a signal), 1
-when the peer could not run (swarm unreachable, --min-peers not met, a crash), 2 for bad input.
+when the peer could not run (swarm unreachable, --min-peers not met, a crash) or could not write
+its final checkpoint, 2 for bad input (a --checkpoint-dir another peer holds included).
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from typing import Iterator, Optional
 from dht.node import DHTStartCancelled, DHTStartError, visible_maddrs
 from peer import lifeline
 from peer.builder import PeerBuilder
+from peer.checkpoint import CheckpointError
 from peer.config import PeerConfig
 from peer.data import resolve_device
 from peer.exit_codes import BadInput, ExitCode
 from peer.logs import setup_logging
+from peer.manifest import ManifestUnreadable
 from peer.signals import StopRequest, start_shared_memory_manager
 from peer.tasks import TaskLoadError, load_task
 from peer.trainer import Trainer, TrainingDiverged
@@ -50,13 +53,17 @@ def run_peer(config: PeerConfig) -> int:
     try:
         run.code, run.reason = _run(config, stop, PeerBuilder(config, stop, stack), run)
     except BadInput as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        for line in str(e).splitlines():
+            print(f"error: {line}", file=sys.stderr, flush=True)
         run.code, run.reason = ExitCode.BAD_INPUT, "bad_input"
     except DHTStartCancelled:
         run.code, run.reason = ExitCode.OK, f"signal:{stop.signal_name}"
     except DHTStartError as e:
         logger.error(str(e))
         run.reason = "dht_start_failed"
+    except ManifestUnreadable as e:
+        logger.error(str(e))
+        run.reason = "manifest_unreadable"
     except TrainingDiverged as e:
         logger.error(str(e))
         run.reason = "diverged"
@@ -74,12 +81,13 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
         device = resolve_device(config.training.device)
     except (TaskLoadError, RuntimeError) as e:
         raise BadInput(str(e)) from e
+    builder.lock_checkpoint_dir()  # a second peer on this directory leaves before it joins anything
     averaging = config.averaging
     codec = averaging.state_compression if averaging.strategy == "local-sgd" else averaging.grad_compression
     monitoring = builder.monitoring(device, averaging.strategy, codec)
     dht = builder.dht()
-    print_join_instructions(config, dht)
     run.trainer = trainer = builder.training(task, device, dht, monitoring, builder.display())
+    print_join_instructions(config, dht)  # once this peer is a member: its settings matched the run's manifest
     stop.install_handlers()  # hivemind's averagers set SIGINT to "ignore" in this process when they start
     builder.publisher(dht, trainer, monitoring)
     if not wait_for_min_peers(config, trainer):
@@ -125,7 +133,13 @@ def finish(config: PeerConfig, run: PeerRun, stack: ExitStack) -> None:
         try:
             trainer.save_checkpoint()
         except Exception as e:
-            logger.error(f"final checkpoint failed: {e}")
+            # Periodic checkpoints may fail and training goes on (peer/trainer.py); this one is the run's
+            # result, so losing it is the one checkpoint failure that makes the exit code non-zero.
+            cause = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+            logger.error(f"final checkpoint failed: {cause}; the last checkpoint this peer wrote or resumed from is "
+                         f"{trainer.last_checkpoint or 'none'}; free space on, or fix, --checkpoint-dir "
+                         f"{config.checkpoint.checkpoint_dir}")
+            run.code, run.reason = ExitCode.FAILED, "final_checkpoint_failed"
     stack.close()
     if trainer is not None:
         trainer.summary.exit_reason = run.reason

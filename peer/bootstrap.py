@@ -1,8 +1,9 @@
 """`peer bootstrap`: a DHT-only node that newcomers join through.
 
-It stores and validates the run's swarm records (the same validators as every peer), prints
-its multiaddrs, optionally writes them to a file for others to read with
---initial-peers-file, and serves until SIGINT/SIGTERM, then leaves cleanly (exit 0).
+It stores and validates the run's swarm records (the same validators as every peer), keeps
+the run's manifest alive while no peer trains, prints its multiaddrs, optionally writes them
+to a file for others to read with --initial-peers-file, and serves until SIGINT/SIGTERM, then
+leaves cleanly (exit 0).
 It trains nothing and publishes no PeerInfo (it is not a peer of the run).
 """
 from __future__ import annotations
@@ -66,7 +67,9 @@ def run_bootstrap(config: PeerConfig, write_maddrs: Optional[Path] = None) -> in
     with ExitStack() as stack:
         stack.callback(logger.info, "bootstrap node stopped")
         try:
-            dht = PeerBuilder(config, stop, stack).dht()
+            builder = PeerBuilder(config, stop, stack)
+            dht = builder.dht()
+            builder.serve_manifest(dht)
             maddrs = visible_maddrs(dht)
             if write_maddrs is not None:
                 write_lines_atomically(write_maddrs, maddrs)

@@ -12,7 +12,7 @@ import logging
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import hivemind
 import torch
@@ -23,8 +23,9 @@ from averaging.api import Replica, RoundReport, SwarmOptimizer
 from averaging.compression import round_payload_bytes
 from averaging.factory import build_swarm_optimizer, progress_record_ttl_seconds
 from dht.keys import SwarmKeys
-from dht.node import quiet_dht_logs, shutdown_dht, start_dht
-from dht.records import PeerInfo, PeerInfoPublisher, record_validators
+from dht.manifest import MANIFEST_TTL_SECONDS, REFRESH_PERIOD_SECONDS, agreed_manifest, read_manifests
+from dht.node import DHTStartCancelled, quiet_dht_logs, shutdown_dht, start_dht
+from dht.records import PeerInfo, PeerInfoPublisher, RecordPublisher, record_validators
 from monitoring import (
     BottleneckClassifier,
     HealthCheck,
@@ -34,10 +35,12 @@ from monitoring import (
     PhaseTimer,
 )
 from peer.checkpoint import CheckpointStore
+from peer.checkpoint_lock import CheckpointDirLock
 from peer.config import PeerConfig
 from peer.data import make_loader
 from peer.exit_codes import BadInput
 from peer.logs import silence_hivemind
+from peer.manifest import join_run, manifest_for
 from peer.progress import ProgressDisplay
 from peer.resume import restore_model, restore_optimizer
 from peer.session import SwarmSession
@@ -85,6 +88,14 @@ class MetricsObserver(TrainingObserver):
     def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:
         self.metrics.set_swarm(peers, samples_per_second, progress_ratio)
 
+    def on_checkpoint(self, ok: bool, problem: str = "") -> None:
+        # failing checkpoints leave the peer training but unhealthy: /healthz says why until one works again
+        if ok:
+            self.health.recover()
+        else:
+            self.metrics.record_checkpoint_failure()
+            self.health.degrade(problem)
+
 
 @dataclass
 class Monitoring:
@@ -106,6 +117,7 @@ class PeerBuilder:
         self.config, self.stop, self.stack = config, stop, stack
         self.keys = SwarmKeys.for_run(config.training.run_id, config.dht.swarm_key)
         self._dht_quiet = False
+        self._checkpoint_lock: Optional[CheckpointDirLock] = None
         hivemind_compat.install()  # before anything forks: every hivemind process inherits the patches
 
     def monitoring(self, device: torch.device, strategy: str, codec: str) -> Monitoring:
@@ -132,7 +144,7 @@ class PeerBuilder:
 
     def dht(self) -> hivemind.DHT:
         """The run's DHT node, with its record validators; retried, and abandoned on a stop request."""
-        dht = start_dht(self.config.dht, record_validators=record_validators(self.config.training.run_id),
+        dht = start_dht(self.config.dht, record_validators=record_validators(self.keys),
                         sleep=self.stop.wait, cancelled=lambda: bool(self.stop))
         self.stack.callback(self._leave_dht, dht)
         return dht
@@ -142,15 +154,29 @@ class PeerBuilder:
         self.stack.callback(display.close)
         return display
 
+    def lock_checkpoint_dir(self) -> None:
+        """Take --checkpoint-dir for this peer alone (peer/checkpoint_lock.py), until the stack closes; idempotent.
+
+        `peer start` calls it first, so that a second peer on the same directory exits before it joins anything.
+
+        :raises CheckpointDirInUse: another peer holds it (exit 2)
+        """
+        if self._checkpoint_lock is None:
+            self._checkpoint_lock = CheckpointDirLock.acquire(self.config.checkpoint.checkpoint_dir)
+            self.stack.callback(self._checkpoint_lock.release)
+
     def training(self, task: Task, device: torch.device, dht: hivemind.DHT, monitoring: Monitoring,
                  display: Optional[ProgressDisplay] = None) -> Trainer:
         """The model (resumed from a checkpoint if there is one), its swarm optimizer, the session and the loop."""
         config = self.config
         summary = PeerSummary(run_id=config.training.run_id, task=task.name, peer_id=str(dht.peer_id))
+        self.lock_checkpoint_dir()  # before the first checkpoint is read
         store = CheckpointStore(config.checkpoint.checkpoint_dir, keep=config.checkpoint.keep_checkpoints)
         torch.manual_seed(seed_from_run_id(config.training.run_id))
         model = task.build_model().to(device)
         checkpoint = restore_model(store, config, task.name, model)
+        # before the optimizer: a mismatched peer must never count toward the swarm
+        self._join_run(dht, task.name, model)
         batch_size = config.training.batch_size or task.batch_size
         payload_bytes = round_payload_bytes(config.averaging, list(model.parameters()),
                                             opt_statistics=len(config.averaging.average_opt_statistics))
@@ -195,6 +221,34 @@ class PeerBuilder:
         publisher.start()
         self.stack.callback(publisher.stop)
         return publisher
+
+    def _join_run(self, dht: hivemind.DHT, task_name: str, model: torch.nn.Module) -> None:
+        """Check this peer's settings against the run's manifest (or start the run), then keep our copy alive.
+
+        :raises ManifestMismatch: other settings than the swarm's (exit 2)
+        :raises ManifestUnreadable: the run's peers are visible but their manifest is not (exit 1)
+        """
+        manifest = join_run(dht, self.keys, manifest_for(self.config, task_name, model),
+                            self.config.dht.startup_timeout_seconds, wait=self.stop.wait)
+        if manifest is None:
+            raise DHTStartCancelled("stopped while reading the run manifest")
+        self._keep_manifest(dht, manifest.dict)
+
+    def serve_manifest(self, dht: hivemind.DHT) -> None:
+        """For a node that trains nothing (peer bootstrap): keep the run's manifest alive while it runs, so that
+        it outlives a pause of every training peer."""
+
+        def current() -> Optional[dict]:
+            manifest = agreed_manifest(read_manifests(dht, self.keys.manifest, timeout_seconds=10.0))
+            return None if manifest is None else manifest.dict()
+
+        self._keep_manifest(dht, current)
+
+    def _keep_manifest(self, dht: hivemind.DHT, make_value: Callable[[], Optional[dict]]) -> None:
+        keeper = RecordPublisher(dht, self.keys.manifest, make_value, period_seconds=REFRESH_PERIOD_SECONDS,
+                                 ttl_seconds=MANIFEST_TTL_SECONDS, withdraw_on_stop=False)
+        keeper.start()
+        self.stack.callback(keeper.stop)
 
     # --- teardown ------------------------------------------------------------------------------
 

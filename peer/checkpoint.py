@@ -4,7 +4,9 @@ A checkpoint is written to a temporary file in the target directory, flushed and
 fsynced, renamed into place with os.replace, and only then is the directory fsynced and
 old checkpoints pruned. A crash at any point therefore leaves every earlier checkpoint
 intact. Each file carries its own length and sha256, so a truncated or corrupted file
-is detected on load, logged, and skipped in favour of the next older one.
+is detected on load, logged, and skipped in favour of the next older one. A write that fails
+(a full or read-only disk) removes its temp file and raises CheckpointError; save() creates a
+directory deleted under it again, so the next save can succeed.
 
 File layout (all integers little-endian):
 
@@ -21,7 +23,7 @@ grows, and recency is decided by it, never by modification times.
 This module must not decide when to checkpoint, what goes into a checkpoint, or move
 tensors between devices: that is the training loop's job. One store writes to a
 directory at a time: a new store deletes temp files it finds there, including those of
-a writer that is still running.
+a writer that is still running (a peer locks its directory: peer/checkpoint_lock.py).
 """
 from __future__ import annotations
 
@@ -97,7 +99,7 @@ class CheckpointStore:
         if isinstance(global_epoch, bool) or not isinstance(global_epoch, int) or global_epoch < 0:
             raise ValueError(f"global_epoch must be an integer >= 0 (got {global_epoch!r})")
         with self._lock:
-            existing = self._scan()
+            existing = self._scan_for_save()
             sequence = existing[-1][0][0] + 1 if existing else 1
             final_path = self.directory / f"checkpoint-{sequence:06d}-epoch{global_epoch:06d}.pt"
             payload = _serialize(state, final_path)
@@ -134,6 +136,16 @@ class CheckpointStore:
         found.sort(key=lambda item: item[0])
         return found
 
+    def _scan_for_save(self) -> List[Tuple[Tuple[int, int], Path]]:
+        # A directory deleted under a running peer is recreated: the peer keeps checkpointing.
+        try:
+            if not self.directory.is_dir():
+                logger.warning("checkpoint directory %s is gone; creating it again", self.directory)
+                self.directory.mkdir(parents=True, exist_ok=True)
+            return self._scan()
+        except OSError as exc:
+            raise CheckpointError(f"cannot use checkpoint directory {self.directory}: {_describe(exc)}") from exc
+
     def _write_atomically(self, final_path: Path, header: bytes, payload: memoryview) -> None:
         # The random token keeps two attempts from ever sharing a temp file.
         temp_path = self.directory / f"{_TEMP_PREFIX}{final_path.name}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
@@ -158,7 +170,12 @@ class CheckpointStore:
             ) from exc
 
     def _prune(self) -> None:
-        for _, path in self._scan()[: -self.keep]:
+        try:
+            complete = self._scan()
+        except OSError as exc:  # the new checkpoint is written; pruning can wait for the next one
+            logger.warning("cannot list %s to remove old checkpoints: %s", self.directory, _describe(exc))
+            return
+        for _, path in complete[: -self.keep]:
             try:
                 path.unlink()
             except FileNotFoundError:

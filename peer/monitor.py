@@ -52,7 +52,7 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
     from peer import lifeline
     from peer.logs import setup_logging, silence_hivemind
     from peer.signals import StopRequest
-    from peer.status import SwarmUnreachable, join_as_client, read_swarm
+    from peer.status import SwarmUnreachable, claim_filter, join_as_client, read_swarm
 
     lifeline.install()
     setup_logging(config.logging.log_format, config.logging.verbose)
@@ -71,11 +71,11 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
             click.echo(f"error: {e}", err=True)
             return ExitCode.BAD_INPUT
         logger.info(f"swarm metrics on http://{config.monitoring.metrics_host}:{port}/metrics")
-        dht = join_as_client(config, timeout_seconds)
+        dht, claims = join_as_client(config, timeout_seconds), claim_filter(config)
         stop.install_handlers()  # hivemind may have replaced SIGINT while starting
         while not stop:
             try:
-                snapshot = read_swarm(dht, config, timeout_seconds)
+                snapshot = read_swarm(dht, config, timeout_seconds, claims)
                 collector.update(snapshot)
                 health.beat()
             except SwarmUnreachable as e:  # keep serving the last snapshot; /healthz tells the age

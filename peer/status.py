@@ -1,7 +1,7 @@
 """`peer status`: who is in the swarm and how it is doing, from any machine that can reach it.
 
 Joins the DHT as a client (it accepts no connections and stores nothing), reads every live
-PeerInfo record and hivemind's progress record of the run, and prints a table (or one
+PeerInfo record, hivemind's progress record and the manifest of the run, and prints a table (or one
 JSON object per refresh with --json). Swarm totals follow hivemind's ProgressTracker:
 the global epoch is the highest epoch of a non-client peer, and only peers at that epoch
 count toward the target. It must never write to the DHT: a ProgressTracker would publish
@@ -59,9 +59,9 @@ def run_status(config: PeerConfig, as_json: bool, watch: Optional[float], timeou
     dht = None
     try:
         deadline = time.monotonic() + timeout_seconds
-        dht = join_as_client(config, timeout_seconds)
+        dht, claims = join_as_client(config, timeout_seconds), claim_filter(config)
         while True:
-            report = read_swarm(dht, config, max(1.0, deadline - time.monotonic()))
+            report = read_swarm(dht, config, max(1.0, deadline - time.monotonic()), claims)
             if as_json:
                 click.echo(json.dumps(report))
             else:
@@ -96,7 +96,7 @@ def join_as_client(config: PeerConfig, timeout_seconds: float):
     # hivemind's validators strip signatures on read; without them signed values would not parse
     keys = SwarmKeys.for_run(config.training.run_id, config.dht.swarm_key)
     validators = [
-        *record_validators(config.training.run_id),
+        *record_validators(keys),
         SchemaValidator(TrainingProgressSchema, prefix=keys.namespace),
     ]
     try:
@@ -109,17 +109,19 @@ def join_as_client(config: PeerConfig, timeout_seconds: float):
         ) from e
 
 
-def read_swarm(dht, config: PeerConfig, timeout_seconds: float) -> Dict[str, Any]:
-    """One snapshot: {"swarm": totals, "peers": one dict per live peer}."""
+def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> Dict[str, Any]:
+    """One snapshot: {"swarm": totals, "peers": one dict per live peer, "manifest": the run's settings or None}."""
     from hivemind.utils import get_dht_time
 
     from dht.keys import SwarmKeys
+    from dht.manifest import agreed_manifest, read_manifests
     from dht.records import read_peer_infos
 
-    run_id = config.training.run_id
+    run_id, keys = config.training.run_id, SwarmKeys.for_run(config.training.run_id, config.dht.swarm_key)
     try:
         infos = read_peer_infos(dht, run_id, timeout_seconds)
-        progress = read_progress(dht, SwarmKeys.for_run(run_id, config.dht.swarm_key).progress, timeout_seconds)
+        progress = read_progress(dht, keys.progress, timeout_seconds, claims)
+        manifest = agreed_manifest(read_manifests(dht, keys.manifest, timeout_seconds))
     except Exception as e:  # a timeout or a DHT that went away: the swarm is not readable
         raise SwarmUnreachable(f"could not read the swarm's records within {timeout_seconds:.0f}s "
                                f"({type(e).__name__}); check the address, or raise --timeout-seconds") from e
@@ -135,11 +137,26 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float) -> Dict[str, Any
     swarm["samples_per_second"] = round(float(sum(peer["samples_per_second"] for peer in peers)), 3)
     if not progress and peers:
         swarm["global_epoch"] = max((p["epoch"] for p in peers if not p["client_mode"]), default=0)
-    return {"swarm": swarm, "peers": peers}
+    manifest = None if manifest is None else {"protocol": manifest.protocol, "settings": manifest.settings}
+    return {"swarm": swarm, "peers": peers, "manifest": manifest}
 
 
-def read_progress(dht, progress_key: str, timeout_seconds: float) -> List[Any]:
-    """Live entries of hivemind's progress record (one per training peer); with a swarm key, the key is keyed too."""
+def claim_filter(config: PeerConfig):
+    """Which progress records status and the monitor believe: the same rules as every peer (averaging/claims.py).
+    Keep one for the life of the command, so that a --watch or the monitor judges epochs against what it saw."""
+    from averaging.claims import ClaimFilter
+    from averaging.factory import progress_record_ttl_seconds
+    from averaging.progress import MIN_CLOCK_SKEW_SECONDS
+
+    averaging = config.averaging
+    skew = max(MIN_CLOCK_SKEW_SECONDS, averaging.seconds("matchmaking_seconds") or averaging.matchmaking_seconds_min)
+    return ClaimFilter(b"", averaging.target_batch_size, max_ttl_seconds=progress_record_ttl_seconds(averaging) + skew,
+                       max_clock_skew_seconds=skew)
+
+
+def read_progress(dht, progress_key: str, timeout_seconds: float, claims=None) -> List[Any]:
+    """Live, believable entries of hivemind's progress record (one per training peer); with a swarm key, the key
+    is keyed too."""
     from hivemind.optim.progress_tracker import LocalTrainingProgress
     from hivemind.utils import get_dht_time
 
@@ -147,7 +164,8 @@ def read_progress(dht, progress_key: str, timeout_seconds: float) -> List[Any]:
     if found is None or not isinstance(found.value, dict):
         return []
     now, entries = get_dht_time(), []
-    for entry in found.value.values():
+    believed = claims.filter(found.value, now) if claims is not None else found.value
+    for entry in believed.values():
         if entry.value is None or entry.expiration_time < now:
             continue
         try:
@@ -219,3 +237,9 @@ def print_table(report: Dict[str, Any], clear: bool = False) -> None:
                   f"global epoch {swarm['global_epoch']}")
     console.print(f"next epoch: {swarm['samples_accumulated']}/{swarm['target_batch_size']} samples "
                   f"({swarm['progress']:.0%}), ETA {'unknown' if eta is None else f'~{eta:.0f}s'}")
+    manifest = report.get("manifest")
+    if manifest is None:
+        console.print("manifest: none readable (with --swarm-key, pass the swarm's key file)")
+    else:
+        settings = ", ".join(f"{name} {value}" for name, value in sorted(manifest["settings"].items()))
+        console.print(f"manifest (protocol {manifest['protocol']}): {settings}", soft_wrap=True)

@@ -30,6 +30,10 @@ class PeerSummary(BaseModel):
     nonfinite_batches: int = 0
     """Batches skipped because their loss was NaN or Inf."""
     resumed_from: Optional[str] = None
+    last_checkpoint: Optional[str] = None
+    """The newest checkpoint this peer wrote."""
+    checkpoint_failures: int = 0
+    """Checkpoints that could not be written (a full, read-only or deleted disk); training went on."""
     exit_reason: str = "running"
 
     def write(self, path: Path) -> None:

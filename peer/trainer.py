@@ -2,8 +2,10 @@
 
 One step: data_wait -> h2d -> forward -> backward -> optimizer (which may average with
 the swarm or download state). Every phase is timed on this thread. At each new global
-epoch the peer validates, reports, and every K epochs writes a checkpoint. The loop
-stops at --max-epochs, --max-seconds, or a stop request, always after a whole step.
+epoch the peer validates, reports, and every K epochs writes a checkpoint; a checkpoint
+that cannot be written (a full, read-only or deleted disk) is reported and retried at the
+next one, never a reason to stop. The loop stops at --max-epochs, --max-seconds, or a stop
+request, always after a whole step.
 
 The Trainer receives everything built (peer/builder.py assembles it): it knows the
 SwarmOptimizer Protocol and the swarm session, never a hivemind object.
@@ -15,13 +17,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from averaging.api import AveragingHooks, RoundReport, SwarmOptimizer
 from monitoring import PhaseTimer
-from peer.checkpoint import CheckpointStore
+from peer.checkpoint import CheckpointError, CheckpointStore
 from peer.config import PeerConfig
 from peer.data import endless, evaluate, move_to
 from peer.progress import ProgressDisplay
@@ -51,6 +54,9 @@ class TrainingObserver:
     def on_round(self, report: RoundReport, payload_bytes: int) -> None: ...
 
     def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None: ...
+
+    def on_checkpoint(self, ok: bool, problem: str = "") -> None:
+        """A checkpoint was written (ok), or not: then `problem` is one line for a person."""
 
 
 class RoundTally:
@@ -129,17 +135,66 @@ class Trainer:
         self._nonfinite_streak = 0
         self._reset_from_swarm = False  # whether this streak of non-finite losses already took the swarm's state
         self._epoch_finished = 0  # the last epoch the loop validated and reported
+        self.last_checkpoint: Optional[str] = self.summary.resumed_from  # the newest this peer wrote or read
+        self._checkpoint_failures_in_a_row = 0
+        self._checkpoints_failing_since: Optional[int] = None  # the epoch of the first failure of the streak
 
     def close(self) -> None:
         """Let the persistent DataLoader workers exit (they live as long as their loader)."""
         self.train_loader = self.val_loader = None
 
-    def save_checkpoint(self) -> None:
-        with self.timer.phase("checkpoint"):
-            self.optimizer.wait_for_background_updates()
-            state = training_state(self.config, self.task.name, self.model, self.optimizer, self.summary)
-            path = self.store.save(state, global_epoch=self.optimizer.local_epoch)
+    def save_checkpoint(self) -> Path:
+        """Write a checkpoint now and report the outcome to the observer.
+
+        :raises CheckpointError: it could not be written; earlier checkpoints are untouched
+        """
+        epoch = self.optimizer.local_epoch
+        try:
+            with self.timer.phase("checkpoint"):
+                self.optimizer.wait_for_background_updates()
+                state = training_state(self.config, self.task.name, self.model, self.optimizer, self.summary)
+                path = self.store.save(state, global_epoch=epoch)
+        except CheckpointError as e:
+            self._checkpoint_failed(epoch, e)
+            raise
         logger.info(f"checkpoint written: {path}")
+        if self._checkpoint_failures_in_a_row:
+            logger.info(f"checkpoints work again: wrote {path} after {self._checkpoint_failures_in_a_row} "
+                        f"that failed")
+        self._checkpoint_failures_in_a_row, self._checkpoints_failing_since = 0, None
+        self.last_checkpoint = self.summary.last_checkpoint = str(path)
+        self.observer.on_checkpoint(True)
+        return path
+
+    def _checkpoint_failed(self, epoch: int, error: CheckpointError) -> None:
+        self.summary.checkpoint_failures += 1
+        self._checkpoint_failures_in_a_row += 1
+        if self._checkpoints_failing_since is None:
+            self._checkpoints_failing_since = epoch
+        self.observer.on_checkpoint(False, (
+            f"checkpoints failing since epoch {self._checkpoints_failing_since} "
+            f"({self._checkpoint_failures_in_a_row} in a row), training goes on: {error}"
+        ))
+
+    def _periodic_checkpoint(self) -> None:
+        """The every-K-epochs checkpoint. A failed write must not take a volunteer out of the swarm.
+
+        A full, read-only or deleted disk costs this peer its newest checkpoint, nothing else: the store
+        leaves the earlier ones untouched, the swarm holds the current state, and the next checkpoint retries
+        (recreating a deleted directory). So the loop goes on training and averaging, and says so once per
+        streak of failures, not at every checkpoint; only a final checkpoint that fails makes the exit code
+        non-zero (peer/app.py).
+        """
+        try:
+            self.save_checkpoint()
+        except CheckpointError as e:
+            if self._checkpoint_failures_in_a_row == 1:
+                every = self.config.checkpoint.checkpoint_every_epochs
+                logger.warning(
+                    f"checkpoint failed: {e}; training goes on and retries at the next checkpoint (every {every} "
+                    f"epoch{'s' if every != 1 else ''}, no more warnings until one works); earlier checkpoints are "
+                    f"untouched; free space on, or fix, --checkpoint-dir {self.config.checkpoint.checkpoint_dir}"
+                )
 
     def validate(self) -> float:
         return evaluate(self.model, self.val_loader, self.task.loss_fn, self.device, self.config.training.val_batches)
@@ -262,4 +317,4 @@ class Trainer:
         every, previous = self.config.checkpoint.checkpoint_every_epochs, self._epoch_finished
         self._epoch_finished = epoch
         if epoch // every > previous // every:
-            self.save_checkpoint()
+            self._periodic_checkpoint()

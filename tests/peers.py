@@ -40,6 +40,12 @@ def start_peer(spawn, tmp_path: Path, name: str, *extra: str, env: Optional[Dict
                  "--summary-json", str(tmp_path / f"{name}.json"), *extra, env=env)
 
 
+def epochs_in(log: str) -> int:
+    """The last global epoch a peer's log reports (its "epoch N: ..." lines), 0 before the first."""
+    lines = [line for line in log.splitlines() if line.startswith("epoch ")]
+    return int(lines[-1].split()[1].rstrip(":")) if lines else 0
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.2, message: str = "") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

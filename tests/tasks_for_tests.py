@@ -176,3 +176,80 @@ def make_straggler_task() -> Task:
     return dataclasses.replace(
         base, build_val_dataset=lambda: _StallOnPass(base.build_val_dataset(), after_epoch + 1, seconds)
     )
+
+
+class _ActOnPass(Dataset):
+    """A validation set that runs actions[k] at the start of its pass number k (1 = the first)."""
+
+    def __init__(self, base: Dataset, actions: dict):
+        self.base, self.actions, self.passes = base, actions, 0
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int):
+        if index == 0:  # the validation loader does not shuffle: every pass starts here
+            self.passes += 1
+            for action in self.actions.get(self.passes, ()):
+                action()
+        return self.base[index]
+
+
+def _fill_disk(path: str) -> None:
+    """Write zeros to `path` until its filesystem is full."""
+    chunk = bytes(64 * 1024)
+    with open(path, "wb", buffering=0) as ballast:
+        try:
+            while True:
+                ballast.write(chunk)
+        except OSError:
+            pass
+
+
+def _probe_own_endpoints(record_path: str) -> None:
+    """Append what this peer's /healthz and its checkpoint failure counter say now, as one JSON line."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = f"http://127.0.0.1:{os.environ['PEER_METRICS_PORT']}"
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as response:
+            health = [response.status, response.read().decode()]
+    except urllib.error.HTTPError as e:
+        health = [e.code, e.read().decode()]
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+        metrics = response.read().decode()
+    failures = [line.split()[-1] for line in metrics.splitlines() if line.startswith("peer_checkpoint_failures_total")]
+    with open(record_path, "a") as record:
+        record.write(json.dumps({"healthz": health, "checkpoint_failures": float(failures[0])}) + "\n")
+
+
+def make_checkpoint_fault_task() -> Task:
+    """bytelm-tiny on a peer whose checkpoint disk is full from global epoch FULL_FROM_EPOCH until FREED_AT_EPOCH:
+    a ballast file fills DISK_BALLAST's filesystem before the checkpoint of FULL_FROM_EPOCH and is deleted before
+    the one of FREED_AT_EPOCH. Just before the ballast goes, and one epoch later, the peer records its own
+    /healthz and peer_checkpoint_failures_total (port: PEER_METRICS_PORT) in PROBE_RECORD. Without DISK_BALLAST,
+    plain bytelm-tiny.
+
+    The peer acts between its own steps (the validation pass after global epoch k comes just before the
+    checkpoint of epoch k), so which checkpoints fail does not depend on timing; epochs are counted by
+    validation passes, one per epoch as long as the peer stays in lock-step with its swarm."""
+    import dataclasses
+
+    from peer.tasks import load_task
+
+    base = load_task("bytelm-tiny")
+    ballast = os.environ.get("DISK_BALLAST")
+    if not ballast:
+        return base
+    full_from, freed_at = int(os.environ["FULL_FROM_EPOCH"]), int(os.environ["FREED_AT_EPOCH"])
+
+    def probe() -> None:
+        _probe_own_endpoints(os.environ["PROBE_RECORD"])
+
+    # pass 1 is the validation before training starts, pass k + 1 the one after global epoch k
+    actions = {full_from + 1: [lambda: _fill_disk(ballast)],
+               freed_at + 1: [probe, lambda: os.remove(ballast)],
+               freed_at + 2: [probe]}
+    return dataclasses.replace(base, build_val_dataset=lambda: _ActOnPass(base.build_val_dataset(), actions))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -346,3 +347,27 @@ def test_state_that_weights_only_load_rejects_is_refused_at_save(tmp_path):
     with pytest.raises(CheckpointError, match="weights_only"):
         store.save({"weights": torch.ones(2), "extra": Opaque()}, global_epoch=2)
     assert os.listdir(tmp_path) == [previous.name]
+
+
+def test_save_creates_a_deleted_directory_again(tmp_path, caplog):
+    directory = tmp_path / "a" / "ckpt"
+    store = CheckpointStore(directory)
+    store.save(small_state(1), global_epoch=1)
+    shutil.rmtree(tmp_path / "a")
+
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+        path = store.save(small_state(2), global_epoch=2)
+
+    assert path.name == "checkpoint-000001-epoch000002.pt" and store.list() == [path]
+    assert_nested_equal(store.load_latest().state, small_state(2))
+    assert any("is gone; creating it again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_directory_that_cannot_be_created_again_raises_checkpoint_error(tmp_path):
+    store = CheckpointStore(tmp_path / "a" / "ckpt")
+    shutil.rmtree(tmp_path / "a")
+    (tmp_path / "a").write_text("a file where the directory's parent was")
+
+    with pytest.raises(CheckpointError, match=r"cannot use checkpoint directory .*ckpt: .*\(ENOTDIR\)") as raised:
+        store.save(small_state(1), global_epoch=1)
+    assert "\n" not in str(raised.value)

@@ -10,6 +10,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from dht.config import DHTConfig
+from dht.keys import SwarmKeys
 from dht.node import DHTStartError, shutdown_dht, start_dht, visible_maddrs
 from dht.records import record_validators
 from peer.config import load_config
@@ -25,7 +26,7 @@ def dhts():
     started = []
 
     def _start(config: DHTConfig, **kwargs):
-        dht = start_dht(config, record_validators=record_validators("test"), **kwargs)
+        dht = start_dht(config, record_validators=record_validators(SwarmKeys.for_run("test")), **kwargs)
         started.append(dht)
         return dht
 

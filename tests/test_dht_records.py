@@ -17,7 +17,7 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from dht.keys import peers_key
+from dht.keys import SwarmKeys, peers_key
 from dht.node import shutdown_dht, visible_maddrs
 from dht.records import (
     MAX_TTL_SECONDS,
@@ -52,7 +52,7 @@ class AlwaysSigns(RSASignatureValidator):
 
 def chain(signer: RSASignatureValidator) -> CompositeValidator:
     return CompositeValidator(
-        [SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID), RecordLimitsValidator(RUN_ID), signer]
+        [SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID), RecordLimitsValidator([peers_key(RUN_ID)]), signer]
     )
 
 
@@ -126,16 +126,17 @@ def test_other_keys_are_not_limited(victim):
     record = DHTRecord(
         DHTID.generate(source="elsewhere").to_bytes(), b"", b"x" * (2 * MAX_VALUE_BYTES), get_dht_time() + 10**6
     )
-    assert RecordLimitsValidator(RUN_ID).validate(record)
+    assert RecordLimitsValidator([peers_key(RUN_ID)]).validate(record)
 
 
 @pytest.mark.timeout(120)
 def test_forger_cannot_overwrite_or_pollute_across_real_nodes(victim):
-    honest = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, record_validators=record_validators(RUN_ID))
+    honest = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                 record_validators=record_validators(SwarmKeys.for_run(RUN_ID)))
     forging_node = None
     try:
         forger_key = RSAPrivateKey()
-        forging = [SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID), RecordLimitsValidator(RUN_ID),
+        forging = [SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID), RecordLimitsValidator([peers_key(RUN_ID)]),
                    AlwaysSigns(forger_key)]
         forging_node = DHT(initial_peers=visible_maddrs(honest), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
                            record_validators=forging)

@@ -69,7 +69,7 @@ def test_status_lists_both_peers_of_a_swarm(spawn, tmp_path: Path):
 
 @pytest.mark.timeout(240)
 def test_status_with_the_swarm_key_shows_a_keyed_swarms_progress_and_eta(spawn, tmp_path: Path):
-    """With --swarm-key, progress records live under a keyed name: status must read them there."""
+    """With --swarm-key, progress records and the manifest live under keyed names: status must read them there."""
     key = tmp_path / "swarm.key"
     key.write_text("a-shared-secret-for-the-swarm")
     target = "100000"  # never reached: samples keep accumulating toward it while status reads them
@@ -81,20 +81,24 @@ def test_status_with_the_swarm_key_shows_a_keyed_swarms_progress_and_eta(spawn, 
         done = run_peer(tmp_path, "status", "--json", "--initial-peers", address, "--target-batch-size", target,
                         "--timeout-seconds", "20", *extra, timeout=20 + PYTHON_START_SECONDS)
         assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout)["swarm"]
+        return json.loads(done.stdout)
 
-    swarm = {}
+    report = {}
 
     def progress_shown() -> bool:
-        nonlocal swarm
-        swarm = status("--swarm-key", str(key))
-        return swarm["training_peers"] == 1 and swarm["samples_accumulated"] > 0
+        nonlocal report
+        report = status("--swarm-key", str(key))
+        return report["swarm"]["training_peers"] == 1 and report["swarm"]["samples_accumulated"] > 0
 
     wait_until(progress_shown, 150, interval=1.0, message="peer status --swarm-key to show the peer's progress")
+    swarm, manifest = report["swarm"], report["manifest"]
     assert swarm["peers"] == 1 and 0.0 < swarm["progress"] < 1.0
     assert swarm["eta_next_epoch_seconds"] is not None and swarm["eta_next_epoch_seconds"] > 0
     # without the key the same swarm shows its peer (PeerInfo records are open) but no progress and no ETA
+    assert manifest["settings"]["task"] == "bytelm-tiny" and manifest["settings"]["target_batch_size"] == 100000
     blind = status()
+    assert blind["manifest"] is None
+    blind = blind["swarm"]
     assert blind["peers"] == 1 and blind["training_peers"] == 0 and blind["eta_next_epoch_seconds"] is None
 
 

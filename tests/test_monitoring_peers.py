@@ -123,7 +123,9 @@ def test_single_peer_bottleneck_is_classified(spawn, task, extra, expected):
 def test_swarm_with_tiny_model_and_long_averaging_is_communication_bound(spawn):
     ports = [free_port(), free_port()]
     common = [*FAST_SWARM_ARGS, "--target-batch-size", "32", "--matchmaking-seconds", "3", "--min-peers", "2"]
-    first = spawn("a", "start", *common, "--metrics-port", str(ports[0]))
-    spawn("b", "start", *common, "--metrics-port", str(ports[1]), "--initial-peers", first.join_address())
+    # each its own --checkpoint-dir (relative to the shared working directory): one directory takes one peer
+    first = spawn("a", "start", *common, "--metrics-port", str(ports[0]), "--checkpoint-dir", "ckpt-a")
+    spawn("b", "start", *common, "--metrics-port", str(ports[1]), "--checkpoint-dir", "ckpt-b",
+          "--initial-peers", first.join_address())
     wait_until(lambda: bottleneck(ports[0]) == "communication" and bottleneck(ports[1]) == "communication",
                150, interval=1.0, message="both peers classified communication-bound")

@@ -46,9 +46,10 @@ def test_collector_renders_the_latest_snapshot_only():
 @pytest.mark.timeout(180)
 def test_monitor_follows_peers_joining_and_leaving(spawn):
     common = [*FAST_SWARM_ARGS, "--target-batch-size", "64", "--min-peers", "2"]
-    first = spawn("a", "start", *common)
+    # each its own --checkpoint-dir (relative to the shared working directory): one directory takes one peer
+    first = spawn("a", "start", *common, "--checkpoint-dir", "ckpt-a")
     address = first.join_address()
-    second = spawn("b", "start", *common, "--initial-peers", address)
+    second = spawn("b", "start", *common, "--checkpoint-dir", "ckpt-b", "--initial-peers", address)
     port = free_port()
     spawn("monitor", "monitor", "--initial-peers", address, "--metrics-port", str(port), "--refresh-seconds", "1")
 

@@ -11,17 +11,19 @@ import psutil
 import pytest
 
 from peer.checkpoint import CheckpointStore
-from tests.peers import FAST_SWARM_ARGS, load_model_state, max_parameter_difference, session_processes, wait_until
+from tests.peers import (
+    FAST_SWARM_ARGS,
+    epochs_in,
+    load_model_state,
+    max_parameter_difference,
+    session_processes,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
 AVERAGING_TIMEOUT_SECONDS = 10
 MARGIN_SECONDS = 10  # start-up of a round, validation and a checkpoint can ride on top of the timeout
-
-
-def epochs_in(log: str) -> int:
-    lines = [line for line in log.splitlines() if line.startswith("epoch ")]
-    return int(lines[-1].split()[1].rstrip(":")) if lines else 0
 
 
 def swarm_args(tmp_path: Path, name: str, *extra: str) -> list:

@@ -1,0 +1,134 @@
+"""Which progress records to believe: a single forged record must not freeze a swarm.
+
+hivemind's progress tracker takes every validly signed progress record at its word: one record
+claiming epoch 10^9 (any DHT client can store one under its own key) makes every honest peer
+"behind", and it downloads state in a loop for as long as the record lives. Before the tracker
+reads the records, ClaimFilter drops those that cannot be true:
+
+- absurd values: more samples than MAX_TARGETS_OF_SAMPLES target batches in one epoch, a rate
+  above MAX_SAMPLES_PER_SECOND, a record written more than max_clock_skew_seconds in the future
+  (by our clock), or one set to expire more than max_ttl_seconds ahead;
+- epochs the swarm cannot have reached: once this peer has seen another peer's epoch, the swarm's
+  epoch can only grow as fast as it accumulates samples. A record claiming more than
+  reference epoch + EPOCH_LEAD + (time since the swarm reached it x rates x RATE_MARGIN / target)
+  is not believed, where the rates are those of the records believed last time plus the claimant's
+  own. After a state download, the epoch actually served becomes the reference, so a claim that
+  made a newcomer download costs one download, not a loop.
+
+The owner of an absurd record is ignored for the rest of the run; an epoch beyond the bound is only
+not believed for now (an honest peer that trained alone for a while becomes believable as time
+passes at its own rate). Both are logged once per owner. This peer's own record is always believed.
+What it does not stop: samples claimed at a plausible rate but never trained on (hivemind counts
+claimed samples); a lie told before this peer's first look costs that one download; a liar that
+claims a high rate can lead by that rate's worth of epochs and so pull peers into a download now
+and then (downloads back off when they fail, averaging/rounds.py). Excluding such peers for good
+needs the averaging rounds to judge what they send, which this filter cannot see.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Dict, Mapping, Optional, Set
+
+logger = logging.getLogger(__name__)
+
+MAX_SAMPLES_PER_SECOND = 1e6
+MAX_TARGETS_OF_SAMPLES = 16
+RATE_MARGIN = 3.0
+EPOCH_LEAD = 2
+"""Epochs a claim may lead by beyond the measured rate: rates are averages, and an epoch can end early."""
+
+
+class ClaimFilter:
+    def __init__(self, own_owner: bytes, target_batch_size: int, max_ttl_seconds: float,
+                 max_clock_skew_seconds: float = 60.0):
+        self.own_owner, self.target_batch_size = own_owner, target_batch_size
+        self.max_ttl_seconds, self.max_clock_skew_seconds = max_ttl_seconds, max_clock_skew_seconds
+        self.ignored: Set[bytes] = set()  # owners of absurd records: never believed again
+        self._doubted: Set[bytes] = set()  # owners whose epoch was beyond the bound once (logged once)
+        self._reference: Optional[tuple] = None  # (epoch, when the swarm reached it, as far as this peer knows)
+        self._rate = 0.0  # samples per second of the records believed last time
+
+    def filter(self, metadata: Mapping[bytes, object], now: float) -> Dict[bytes, object]:
+        """The entries worth believing, from hivemind's {owner: ValueWithExpiration(progress dict)}."""
+        kept = {}
+        for owner, entry in metadata.items():
+            value = getattr(entry, "value", None)
+            if owner == self.own_owner or value is None:
+                kept[owner] = entry
+                continue
+            if owner in self.ignored:
+                continue
+            absurd = self._absurd(value, getattr(entry, "expiration_time", now), now)
+            if absurd is not None:
+                self.ignored.add(owner)
+                logger.warning(f"ignoring the progress records of {_short(owner)} for the rest of the run: {absurd}")
+                continue
+            bound = self._epoch_bound(now, _number(value, "samples_per_second"))
+            if bound is not None and _number(value, "epoch") > bound:
+                if owner not in self._doubted:
+                    self._doubted.add(owner)
+                    logger.warning(f"not believing the progress records of {_short(owner)} for now: epoch "
+                                   f"{int(_number(value, 'epoch'))} claimed while the swarm can be at most at epoch "
+                                   f"{bound}")
+                continue
+            kept[owner] = entry
+        self._remember(kept, now)
+        return kept
+
+    def served(self, epoch: int, now: float) -> None:
+        """A state download brought this peer to `epoch`: that is what the swarm can really serve."""
+        self._reference = (epoch, now)
+
+    def _absurd(self, value, expiration_time: float, now: float) -> Optional[str]:
+        try:
+            samples, rate, written = int(value["samples_accumulated"]), float(value["samples_per_second"]), float(
+                value["time"])
+        except (KeyError, TypeError, ValueError):
+            return None  # hivemind's schema validator rejects malformed records; nothing to decide here
+        if samples > MAX_TARGETS_OF_SAMPLES * self.target_batch_size:
+            return f"{samples} samples claimed in one epoch of {self.target_batch_size}"
+        if not rate <= MAX_SAMPLES_PER_SECOND:
+            return f"a rate of {rate:g} samples/s"
+        if written > now + self.max_clock_skew_seconds:
+            return f"a record written {written - now:.0f}s in the future (its clock, or ours, is wrong)"
+        if expiration_time > now + self.max_ttl_seconds:
+            return f"a record set to expire {expiration_time - now:.0f}s ahead"
+        return None
+
+    def _epoch_bound(self, now: float, claimant_rate: float) -> Optional[int]:
+        """The highest epoch the swarm can have reached by now, at the rates believed last time plus the claimant's."""
+        if self._reference is None:
+            return None  # a newcomer has nothing to compare with yet
+        epoch, since = self._reference
+        rate = self._rate + min(MAX_SAMPLES_PER_SECOND, max(0.0, claimant_rate))
+        samples = max(0.0, now - since) * rate * RATE_MARGIN
+        return epoch + EPOCH_LEAD + math.ceil(samples / max(1, self.target_batch_size))
+
+    def _remember(self, kept: Mapping[bytes, object], now: float) -> None:
+        # this peer's own record counts once it has trained through an epoch with the swarm (or alone); a fresh
+        # peer's epoch 0 says nothing about where the swarm is
+        known = [entry for owner, entry in kept.items() if _get(entry, "epoch") is not None
+                 and (owner != self.own_owner or _number(entry.value, "epoch") >= 1)]
+        if known:
+            epoch = max(int(_number(entry.value, "epoch")) for entry in known)
+            if self._reference is None or epoch > self._reference[0]:
+                self._reference = (epoch, now)
+        self._rate = sum(min(MAX_SAMPLES_PER_SECOND, _number(entry.value, "samples_per_second"))
+                         for entry in kept.values() if _get(entry, "samples_per_second") is not None)
+
+
+def _get(entry, field: str):
+    value = getattr(entry, "value", None)
+    return value.get(field) if isinstance(value, dict) else None
+
+
+def _number(value: dict, field: str) -> float:
+    try:
+        return float(value[field])
+    except (KeyError, TypeError, ValueError):
+        return 0.0
+
+
+def _short(owner: bytes) -> str:
+    return owner[-12:].hex()

@@ -1,0 +1,68 @@
+"""The run manifest in the DHT: one signed copy per peer, and which copy the swarm agrees on.
+
+The first peer of a run stores the manifest (dht/records.py: RunManifest); every peer that
+agrees with it stores the same manifest under its own subkey, and keeps it alive while it runs
+(so does a bootstrap node), so the manifest outlives any one peer. A newcomer reads every
+copy and takes the manifest held by the most peers (the oldest among equals).
+
+What this defends against: a peer started with other settings by mistake, or a stray peer of
+another version. What it does not: a hostile peer can store its own manifest under as many
+subkeys as it has keys; it can then confuse newcomers (who refuse to train rather than train
+wrongly), but never the peers that already checked the manifest.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, Optional
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from dht.records import RunManifest, own_subkey
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+"""Raise it whenever peers of two versions of this daemon can no longer train together."""
+MANIFEST_TTL_SECONDS = 600.0
+"""How long a copy lives after its holder last refreshed it: a swarm that pauses briefly keeps its manifest."""
+REFRESH_PERIOD_SECONDS = 60.0
+
+
+def read_manifests(dht: hivemind.DHT, key: str, timeout_seconds: float) -> Dict[bytes, RunManifest]:
+    """Every live, valid copy of the manifest, by the subkey (owner) that holds it."""
+    found = dht.get(key, latest=True, return_future=True).result(timeout=timeout_seconds)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    now, copies = get_dht_time(), {}
+    for owner, entry in found.value.items():
+        if entry.value is None or entry.expiration_time < now:
+            continue
+        try:
+            copies[owner] = RunManifest.parse_obj(entry.value)
+        except Exception:  # a malformed value that slipped past an old validator: ignore, never crash
+            continue
+    return copies
+
+
+def agreed_manifest(copies: Dict[bytes, RunManifest]) -> Optional[RunManifest]:
+    """The manifest held by the most owners; the oldest among equally held ones; None when there is none."""
+    groups: Dict[tuple, list] = {}
+    for manifest in copies.values():
+        identity = (manifest.protocol, tuple(sorted(manifest.settings.items())))
+        groups.setdefault(identity, []).append(manifest)
+    if not groups:
+        return None
+    best = max(groups.values(), key=lambda group: (len(group), -min(m.created for m in group)))
+    return min(best, key=lambda manifest: manifest.created)
+
+
+def store_manifest(dht: hivemind.DHT, key: str, manifest: RunManifest, timeout_seconds: float = 10.0) -> bool:
+    """Store this peer's copy (waits until stored); False if the DHT did not take it."""
+    try:
+        return bool(dht.store(key, subkey=own_subkey(), value=manifest.dict(),
+                              expiration_time=get_dht_time() + MANIFEST_TTL_SECONDS,
+                              return_future=True).result(timeout=timeout_seconds))
+    except Exception as e:  # the caller decides whether a missing copy matters
+        logger.debug(f"could not store the run manifest: {e!r}")
+        return False

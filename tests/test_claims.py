@@ -1,0 +1,166 @@
+"""averaging/claims.py and the download backoff: a forged progress record cannot freeze a swarm."""
+from __future__ import annotations
+
+import json
+import signal
+from types import SimpleNamespace
+
+import hivemind
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import SchemaValidator
+from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgressSchema
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from averaging.api import AveragingHooks
+from averaging.claims import MAX_TARGETS_OF_SAMPLES, ClaimFilter
+from averaging.deadlines import AdaptiveDeadlines
+from averaging.rounds import RoundKeeper
+from dht.keys import SwarmKeys
+from tests.peers import epochs_in, start_peer, wait_until
+
+TARGET = 100
+NOW = 1000.0
+ME, HONEST, LIAR = b"me", b"honest", b"liar"
+
+
+def entry(epoch: int, samples: int = 0, rate: float = 50.0, written: float = NOW, expires: float = NOW + 30):
+    value = dict(peer_id=b"x", epoch=epoch, samples_accumulated=samples, samples_per_second=rate, time=written,
+                 client_mode=False)
+    return SimpleNamespace(value=value, expiration_time=expires)
+
+
+def claims() -> ClaimFilter:
+    return ClaimFilter(ME, TARGET, max_ttl_seconds=40.0, max_clock_skew_seconds=5.0)
+
+
+@pytest.mark.parametrize("lie", [
+    entry(3, samples=MAX_TARGETS_OF_SAMPLES * TARGET + 1),  # 10^12 samples, in spirit
+    entry(3, rate=1e9),
+    entry(3, written=NOW + 3600),  # a clock an hour ahead
+    entry(3, expires=NOW + 7200),  # would outlive its peer for hours
+])
+def test_absurd_records_are_dropped_and_their_owner_ignored_for_the_rest_of_the_run(lie):
+    believed = claims()
+    assert set(believed.filter({ME: entry(3), HONEST: entry(3), LIAR: lie}, NOW)) == {ME, HONEST}
+    assert set(believed.filter({ME: entry(3), LIAR: entry(3)}, NOW + 1)) == {ME}  # later plausible: still ignored
+    assert believed.ignored == {LIAR}
+
+
+def test_a_newcomer_believes_its_first_look_and_judges_jumps_from_then_on():
+    believed = claims()
+    assert set(believed.filter({ME: entry(0), HONEST: entry(31)}, NOW)) == {ME, HONEST}  # it is behind, legitimately
+    # 10 s at the believed 50 + 50 samples/s plus the claimant's own 50, x3 margin, 100 per epoch: 31 + 2 + 45
+    later = NOW + 10
+    kept = believed.filter({ME: entry(0), HONEST: entry(40), LIAR: entry(10**9, written=later)}, later)
+    assert set(kept) == {ME, HONEST}
+    # 10 s more from epoch 40, which the swarm reached at `later`: at most 40 + 2 + 45
+    kept = believed.filter({ME: entry(0), HONEST: entry(87), b"hasty": entry(88)}, later + 10)
+    assert set(kept) == {ME, HONEST}
+    assert believed.ignored == set()  # only doubted: epochs beyond the bound are not believed for now
+
+
+def test_a_peer_that_trained_alone_becomes_believable_at_its_own_pace():
+    believed = claims()
+    believed.filter({ME: entry(0, rate=0.0), HONEST: entry(5, rate=0.0)}, NOW)
+    fast = {ME: entry(0, rate=0.0), HONEST: entry(5, rate=0.0), b"alone": entry(60, rate=100.0)}
+    assert set(believed.filter(fast, NOW + 1)) == {ME, HONEST}  # 5 + 2 + 3 at most, one second in
+    assert set(believed.filter(fast, NOW + 20)) == {ME, HONEST, b"alone"}  # 5 + 2 + 60 by now
+
+
+def test_a_fresh_peers_own_record_sets_no_reference_but_a_trained_one_does():
+    believed = claims()
+    believed.filter({ME: entry(0, rate=0.0)}, NOW)  # alone and fresh: nothing known about the swarm
+    assert set(believed.filter({ME: entry(0, rate=0.0), HONEST: entry(50)}, NOW + 1)) == {ME, HONEST}
+    alone = claims()
+    alone.filter({ME: entry(3)}, NOW)  # it trained three epochs alone: it knows the pace
+    assert set(alone.filter({ME: entry(3), LIAR: entry(10**9)}, NOW + 1)) == {ME}
+
+
+def test_a_claim_that_made_a_newcomer_download_is_judged_by_what_was_served():
+    believed = claims()
+    assert set(believed.filter({ME: entry(0), HONEST: entry(31), LIAR: entry(10**9)}, NOW)) == {ME, HONEST, LIAR}
+    believed.served(31, NOW + 1)  # the download brought epoch 31: nobody could serve 10^9
+    assert set(believed.filter({ME: entry(31), HONEST: entry(31), LIAR: entry(10**9)}, NOW + 1.5)) == {ME, HONEST}
+
+
+def test_this_peers_own_record_is_always_believed():
+    believed = claims()
+    believed.filter({HONEST: entry(5)}, NOW)
+    assert set(believed.filter({ME: entry(10**9, rate=1e9, written=NOW + 3600)}, NOW + 1)) == {ME}
+    assert believed.ignored == set()
+
+
+def test_withdrawn_records_pass_through_for_hivemind_to_skip():
+    believed = claims()
+    gone = SimpleNamespace(value=None, expiration_time=NOW + 10)
+    assert believed.filter({HONEST: gone}, NOW) == {HONEST: gone}
+
+
+def test_failed_downloads_back_off_and_a_successful_one_resets():
+    clock = SimpleNamespace(now=0.0)
+    rounds = RoundKeeper(AveragingHooks(), AdaptiveDeadlines(matchmaking_seconds=1.0, averaging_timeout_seconds=5.0))
+    rounds.clock = lambda: clock.now
+
+    def fail():
+        raise RuntimeError("no peer sent its state")
+
+    assert rounds.download_allowed()
+    assert rounds.download_state(fail) is False
+    assert not rounds.download_allowed()
+    clock.now = 2.0
+    assert rounds.download_allowed()
+    assert rounds.download_state(fail) is False
+    clock.now = 5.9
+    assert not rounds.download_allowed()  # the second wait is twice the first
+    clock.now = 6.0
+    assert rounds.download_state(lambda: None) is True
+    assert rounds.download_allowed()
+    for _ in range(12):  # never more than a minute between attempts
+        rounds.download_state(fail)
+    clock.now += 60.0
+    assert rounds.download_allowed()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_a_forged_epoch_and_sample_count_do_not_freeze_the_swarm(spawn, tmp_path):
+    """A DHT client stores signed progress records claiming epoch 10^9 and 10^12 samples. The training peer
+    ignores them and keeps its pace without downloading; a newcomer believes the lie for one download, then
+    trains with the first peer (its other downloads are the usual ones of a newcomer in a fast swarm)."""
+    first = start_peer(spawn, tmp_path, "a", "--target-batch-size", "192", "--max-seconds", "200")
+    address = first.join_address()
+    wait_until(lambda: epochs_in(first.log()) >= 2, 90, message="the first peer to train two epochs")
+    keys = SwarmKeys.for_run("swarmtrain")
+    signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(2)]  # any key pair will do
+    forgers = [hivemind.DHT(start=True, client_mode=True, initial_peers=[address], record_validators=[
+        SchemaValidator(TrainingProgressSchema, prefix=keys.namespace), signer]) for signer in signers]
+    try:
+        lies = [(10**9, 0), (epochs_in(first.log()), 10**12)]
+        for forger, signer, (epoch, samples) in zip(forgers, signers, lies):
+            owner = signer.local_public_key
+            claim = LocalTrainingProgress(peer_id=forger.peer_id.to_bytes(), epoch=epoch, samples_accumulated=samples,
+                                          samples_per_second=10.0, time=get_dht_time(), client_mode=False)
+            # expiring as soon as hivemind's own records do: only the lie itself gives it away
+            assert forger.store(keys.progress, claim.dict(), get_dht_time() + 14, subkey=owner)
+        epoch_at_forgery = epochs_in(first.log())
+        second = start_peer(spawn, tmp_path, "b", "--target-batch-size", "192", "--initial-peers", address,
+                            "--max-seconds", "200")
+        wait_until(lambda: epochs_in(second.log()) >= epoch_at_forgery + 4 and "peers 2" in second.log(), 120,
+                   message="the newcomer to train with the first peer, four epochs past the forgery")
+        assert epochs_in(first.log()) >= epoch_at_forgery + 4
+        for peer in (first, second):
+            peer.send(signal.SIGTERM)
+            assert peer.wait(60) == 0, peer.log()[-3000:]
+    finally:
+        for forger in forgers:
+            forger.shutdown()
+    a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("a", "b"))
+    # believed, the lie makes a peer download in a loop (~520 times in 80 s, mostly failing); a download or two
+    # is the ordinary resync of two peers in a fast swarm
+    assert a["state_downloads"] <= 2 and "no peer sent a usable state" not in first.log()
+    # not a loop (unfiltered, ~520 in 80 s); a newcomer to a fast swarm chases it for a few downloads anyway
+    assert b["state_downloads"] <= 10
+    assert "not believing the progress records" in first.log() and "epoch 1000000000 claimed" in first.log()
+    assert "1000000000000 samples claimed in one epoch" in first.log()

@@ -1,0 +1,79 @@
+"""A peer whose checkpoint disk fills up mid-run keeps training with its swarm (a real 2-peer swarm, a real tmpfs)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.peers import load_model_state, max_parameter_difference, start_peer
+
+pytestmark = pytest.mark.integration
+
+EPOCHS = 5
+FULL_FROM_EPOCH, FREED_AT_EPOCH = 2, 4  # the checkpoints of epochs 2 and 3 fail
+COMMAND_TIMEOUT_SECONDS = 30
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 4 MiB tmpfs (room for one bytelm-tiny checkpoint and the temp file of the next), unmounted afterwards."""
+    mount_point = tmp_path / "small-disk"
+    mount_point.mkdir()
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("needs root on Linux to mount a small tmpfs as a peer's checkpoint disk")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True, timeout=COMMAND_TIMEOUT_SECONDS)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=COMMAND_TIMEOUT_SECONDS)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_a_peer_whose_disk_fills_mid_run_trains_on_with_its_swarm(spawn, tmp_path: Path, small_disk: Path):
+    """Deterministic by construction: the failing peer fills its own disk with a ballast file just before its
+    checkpoint of epoch 2 and deletes it just before the one of epoch 4 (tests/tasks_for_tests.py), so exactly the
+    checkpoints of epochs 2 and 3 fail, whatever the timing, and its final checkpoint works: the parameters both
+    peers end with can be compared from their final checkpoints. The peer also records its own /healthz and
+    failure counter while its disk is full and after, at those same points."""
+    common = ("--task", "tests.tasks_for_tests:make_checkpoint_fault_task", "--min-peers", "2",
+              "--target-batch-size", "32", "--max-epochs", str(EPOCHS), "--checkpoint-every-epochs", "1")
+    healthy = start_peer(spawn, tmp_path, "healthy", *common)
+    probes = tmp_path / "probes.jsonl"
+    full = start_peer(spawn, tmp_path, "full", *common, "--checkpoint-dir", str(small_disk),
+                      "--keep-checkpoints", "1", "--initial-peers", healthy.join_address(), env={
+                          "DISK_BALLAST": str(small_disk / "ballast"), "FULL_FROM_EPOCH": str(FULL_FROM_EPOCH),
+                          "FREED_AT_EPOCH": str(FREED_AT_EPOCH), "PEER_METRICS_PORT": str(free_port()),
+                          "PROBE_RECORD": str(probes)})
+    for peer in (healthy, full):
+        assert peer.wait(150) == 0, peer.log()[-4000:]
+
+    summary = json.loads((tmp_path / "full.json").read_text())
+    assert (summary["exit_reason"], summary["global_epoch"]) == ("max_epochs", EPOCHS)
+    assert summary["checkpoint_failures"] == FREED_AT_EPOCH - FULL_FROM_EPOCH
+    assert summary["averaging_rounds"]["ok"] >= 1, summary  # it averaged with its swarm
+    log = full.log()
+    warnings = [line for line in log.splitlines() if "checkpoint failed:" in line]
+    assert len(warnings) == 1 and "No space left on device (ENOSPC)" in warnings[0], warnings
+    assert log.count("checkpoints work again") == 1 and "Traceback" not in log
+    while_full, after = [json.loads(line) for line in probes.read_text().splitlines()]
+    assert while_full["healthz"][0] == 503 and "checkpoints failing since epoch 2" in while_full["healthz"][1]
+    assert while_full["checkpoint_failures"] == 2
+    assert after == {"healthz": [200, "ok\n"], "checkpoint_failures": 2}
+
+    assert [path.name for path in small_disk.glob("checkpoint-*.pt")] == [Path(summary["last_checkpoint"]).name]
+    assert load_model_state(small_disk) is not None
+    assert max_parameter_difference(load_model_state(tmp_path / "healthy"), load_model_state(small_disk)) <= 1e-5
