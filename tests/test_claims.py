@@ -1,24 +1,15 @@
-"""averaging/claims.py and the download backoff: a forged progress record cannot freeze a swarm."""
+"""averaging/claims.py and the download backoff: a forged progress record cannot freeze a swarm
+(tests/test_reliability_untrusted.py shows it with real peers)."""
 from __future__ import annotations
 
-import json
-import signal
 from types import SimpleNamespace
 
-import hivemind
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import SchemaValidator
-from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgressSchema
-from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 
 from averaging.api import AveragingHooks
 from averaging.claims import MAX_TARGETS_OF_SAMPLES, ClaimFilter
 from averaging.deadlines import AdaptiveDeadlines
 from averaging.rounds import RoundKeeper
-from dht.keys import SwarmKeys
-from tests.peers import epochs_in, start_peer, wait_until
 
 TARGET = 100
 NOW = 1000.0
@@ -122,45 +113,3 @@ def test_failed_downloads_back_off_and_a_successful_one_resets():
     clock.now += 60.0
     assert rounds.download_allowed()
 
-
-@pytest.mark.integration
-@pytest.mark.timeout(240)
-def test_a_forged_epoch_and_sample_count_do_not_freeze_the_swarm(spawn, tmp_path):
-    """A DHT client stores signed progress records claiming epoch 10^9 and 10^12 samples. The training peer
-    ignores them and keeps its pace without downloading; a newcomer believes the lie for one download, then
-    trains with the first peer (its other downloads are the usual ones of a newcomer in a fast swarm)."""
-    first = start_peer(spawn, tmp_path, "a", "--target-batch-size", "192", "--max-seconds", "200")
-    address = first.join_address()
-    wait_until(lambda: epochs_in(first.log()) >= 2, 90, message="the first peer to train two epochs")
-    keys = SwarmKeys.for_run("swarmtrain")
-    signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(2)]  # any key pair will do
-    forgers = [hivemind.DHT(start=True, client_mode=True, initial_peers=[address], record_validators=[
-        SchemaValidator(TrainingProgressSchema, prefix=keys.namespace), signer]) for signer in signers]
-    try:
-        lies = [(10**9, 0), (epochs_in(first.log()), 10**12)]
-        for forger, signer, (epoch, samples) in zip(forgers, signers, lies):
-            owner = signer.local_public_key
-            claim = LocalTrainingProgress(peer_id=forger.peer_id.to_bytes(), epoch=epoch, samples_accumulated=samples,
-                                          samples_per_second=10.0, time=get_dht_time(), client_mode=False)
-            # expiring as soon as hivemind's own records do: only the lie itself gives it away
-            assert forger.store(keys.progress, claim.dict(), get_dht_time() + 14, subkey=owner)
-        epoch_at_forgery = epochs_in(first.log())
-        second = start_peer(spawn, tmp_path, "b", "--target-batch-size", "192", "--initial-peers", address,
-                            "--max-seconds", "200")
-        wait_until(lambda: epochs_in(second.log()) >= epoch_at_forgery + 3 and "peers 2" in second.log(), 120,
-                   message="the newcomer to train with the first peer, three epochs past the forgery")
-        assert epochs_in(first.log()) >= epoch_at_forgery + 3
-        for peer in (first, second):
-            peer.send(signal.SIGTERM)
-            assert peer.wait(60) == 0, peer.log()[-3000:]
-    finally:
-        for forger in forgers:
-            forger.shutdown()
-    a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("a", "b"))
-    # believed, the lie makes a peer download in a loop (~520 times in 80 s, mostly failing); a download or two
-    # is the ordinary resync of two peers in a fast swarm
-    assert a["state_downloads"] <= 2 and "no peer sent a usable state" not in first.log()
-    # not a loop (unfiltered, ~520 in 80 s); a newcomer to a fast swarm chases it for a few downloads anyway
-    assert b["state_downloads"] <= 10
-    assert "not believing the progress records" in first.log() and "epoch 1000000000 claimed" in first.log()
-    assert "1000000000000 samples claimed in one epoch" in first.log()

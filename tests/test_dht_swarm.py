@@ -28,8 +28,11 @@ def run_peer(cwd: Path, *args: str, timeout: float) -> subprocess.CompletedProce
 
 
 @pytest.mark.timeout(240)
-def test_status_lists_both_peers_of_a_swarm(spawn, tmp_path: Path):
-    common = ["--target-batch-size", "256", "--min-peers", "2", "--max-seconds", "180"]
+def test_status_lists_both_peers_of_a_keyed_swarm_with_its_progress_and_manifest(spawn, tmp_path: Path):
+    """With --swarm-key, progress records and the manifest live under keyed names: status reads them there."""
+    key = tmp_path / "swarm.key"
+    key.write_text("a-shared-secret-for-the-swarm")
+    common = ["--target-batch-size", "256", "--min-peers", "2", "--max-seconds", "180", "--swarm-key", str(key)]
     first = start_peer(spawn, tmp_path, "a", *common)
     address = first.join_address()
     start_peer(spawn, tmp_path, "b", *common, "--initial-peers", address)
@@ -39,16 +42,19 @@ def test_status_lists_both_peers_of_a_swarm(spawn, tmp_path: Path):
     def both_listed() -> bool:
         nonlocal report
         done = run_peer(tmp_path, "status", "--json", "--initial-peers", address, "--target-batch-size", "256",
-                        "--timeout-seconds", "20", timeout=20 + PYTHON_START_SECONDS)
+                        "--swarm-key", str(key), "--timeout-seconds", "20", timeout=20 + PYTHON_START_SECONDS)
         assert done.returncode == 0, done.stderr[-3000:]
         report = json.loads(done.stdout)
-        return len(report["peers"]) == 2
+        return len(report["peers"]) == 2 and report["swarm"]["training_peers"] >= 1
 
     wait_until(both_listed, 150, interval=1.0, message="peer status to list both peers")
     swarm, peers = report["swarm"], report["peers"]
     assert swarm["peers"] == 2 and swarm["run_id"] == "swarmtrain" and swarm["target_batch_size"] == 256
     assert swarm["training_peers"] >= 1  # hivemind's progress record: peers that reported samples
     assert swarm["global_epoch"] >= 0 and 0.0 <= swarm["progress"] <= 1.0
+    assert swarm["eta_next_epoch_seconds"] is not None
+    assert report["manifest"]["settings"]["task"] == "bytelm-tiny"
+    assert report["manifest"]["settings"]["target_batch_size"] == 256
     assert swarm["samples_per_second"] == pytest.approx(sum(peer["samples_per_second"] for peer in peers), abs=0.01)
     assert len({peer["peer_id"] for peer in peers}) == 2
     assert any(address.endswith("/p2p/" + peer["peer_id"]) for peer in peers)  # the first peer is one of them
@@ -60,46 +66,20 @@ def test_status_lists_both_peers_of_a_swarm(spawn, tmp_path: Path):
         assert peer["bottleneck"] is None or isinstance(peer["bottleneck"], str)
 
     table = run_peer(tmp_path, "status", "--initial-peers", address, "--target-batch-size", "256",
-                     timeout=20 + PYTHON_START_SECONDS)
+                     "--swarm-key", str(key), timeout=20 + PYTHON_START_SECONDS)
     assert table.returncode == 0, table.stderr[-3000:]
     for peer in peers:
         assert peer["short_id"] in table.stdout
     assert "swarm: 2 peers" in table.stdout and "/256 samples" in table.stdout
+    assert "manifest (protocol" in table.stdout and "task bytelm-tiny" in table.stdout
 
-
-@pytest.mark.timeout(240)
-def test_status_with_the_swarm_key_shows_a_keyed_swarms_progress_and_eta(spawn, tmp_path: Path):
-    """With --swarm-key, progress records and the manifest live under keyed names: status must read them there."""
-    key = tmp_path / "swarm.key"
-    key.write_text("a-shared-secret-for-the-swarm")
-    target = "100000"  # never reached: samples keep accumulating toward it while status reads them
-    first = start_peer(spawn, tmp_path, "a", "--swarm-key", str(key), "--target-batch-size", target,
-                       "--max-seconds", "150")
-    address = first.join_address()
-
-    def status(*extra: str) -> dict:
-        done = run_peer(tmp_path, "status", "--json", "--initial-peers", address, "--target-batch-size", target,
-                        "--timeout-seconds", "20", *extra, timeout=20 + PYTHON_START_SECONDS)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout)
-
-    report = {}
-
-    def progress_shown() -> bool:
-        nonlocal report
-        report = status("--swarm-key", str(key))
-        return report["swarm"]["training_peers"] == 1 and report["swarm"]["samples_accumulated"] > 0
-
-    wait_until(progress_shown, 150, interval=1.0, message="peer status --swarm-key to show the peer's progress")
-    swarm, manifest = report["swarm"], report["manifest"]
-    assert swarm["peers"] == 1 and 0.0 < swarm["progress"] < 1.0
-    assert swarm["eta_next_epoch_seconds"] is not None and swarm["eta_next_epoch_seconds"] > 0
-    # without the key the same swarm shows its peer (PeerInfo records are open) but no progress and no ETA
-    assert manifest["settings"]["task"] == "bytelm-tiny" and manifest["settings"]["target_batch_size"] == 100000
-    blind = status()
-    assert blind["manifest"] is None
-    blind = blind["swarm"]
-    assert blind["peers"] == 1 and blind["training_peers"] == 0 and blind["eta_next_epoch_seconds"] is None
+    # without the key, the peers are listed (PeerInfo records are open) but not the progress or the manifest
+    blind = run_peer(tmp_path, "status", "--json", "--initial-peers", address, "--target-batch-size", "256",
+                     "--timeout-seconds", "20", timeout=20 + PYTHON_START_SECONDS)
+    assert blind.returncode == 0, blind.stderr[-3000:]
+    blind = json.loads(blind.stdout)
+    assert blind["manifest"] is None and len(blind["peers"]) == 2
+    assert blind["swarm"]["training_peers"] == 0 and blind["swarm"]["eta_next_epoch_seconds"] is None
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,86 @@
+"""Mistaken and hostile peers against a real swarm on 127.0.0.1: the run manifest refuses the incompatible,
+and forged progress records do not freeze anyone (one swarm for both, to keep the suite short)."""
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import hivemind
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import SchemaValidator
+from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgressSchema
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from dht.keys import SwarmKeys
+from tests.peers import epochs_in, start_peer, wait_until
+
+pytestmark = pytest.mark.integration
+
+TARGET = "192"
+MISMATCHED = {  # name: (flags, the first error line it must print)
+    "task": (["--task", "bytelm", "--target-batch-size", TARGET], "--task is 'bytelm' here but 'bytelm-tiny'"),
+    "target": (["--target-batch-size", "512"], f"--target-batch-size is 512 here but {TARGET} in the swarm"),
+    "strategy": (["--averaging", "local-sgd", "--target-batch-size", TARGET], "--averaging is 'local-sgd' here"),
+}
+
+
+def forge_progress(address: str, epoch: int, samples: int) -> hivemind.DHT:
+    """A DHT client (no training, a key pair of its own) storing one validly signed progress record."""
+    signer = RSASignatureValidator(RSAPrivateKey())
+    keys = SwarmKeys.for_run("swarmtrain")
+    forger = hivemind.DHT(start=True, client_mode=True, initial_peers=[address], record_validators=[
+        SchemaValidator(TrainingProgressSchema, prefix=keys.namespace), signer])
+    claim = LocalTrainingProgress(peer_id=forger.peer_id.to_bytes(), epoch=epoch, samples_accumulated=samples,
+                                  samples_per_second=10.0, time=get_dht_time(), client_mode=False)
+    # expiring as soon as hivemind's own records do: only the lie itself gives it away
+    assert forger.store(keys.progress, claim.dict(), get_dht_time() + 14, subkey=signer.local_public_key)
+    return forger
+
+
+@pytest.mark.timeout(300)
+def test_incompatible_peers_are_refused_and_forged_progress_freezes_nobody(spawn, tmp_path: Path):
+    first = start_peer(spawn, tmp_path, "a", "--target-batch-size", TARGET, "--max-seconds", "240")
+    address = first.join_address()
+
+    # 1. the run manifest: each mismatched peer exits 2 naming the setting, before it can join a round
+    mismatched = {name: start_peer(spawn, tmp_path, name, "--initial-peers", address, *args)
+                  for name, (args, _) in MISMATCHED.items()}
+    for name, (_, expected) in MISMATCHED.items():
+        assert mismatched[name].wait(120) == 2, mismatched[name].log()[-3000:]
+        errors = [line for line in mismatched[name].log().splitlines() if line.startswith("error: ")]
+        assert errors[0].startswith("error: " + expected), errors
+        assert "use a new --run-id" in errors[-1]
+        assert "Traceback" not in mismatched[name].log()
+    # the training peer never counted them: every epoch so far had it alone in the swarm
+    wait_until(lambda: epochs_in(first.log()) >= 2, 90, message="the first peer to train two epochs")
+    epoch_lines = [line for line in first.log().splitlines() if line.startswith("epoch ")]
+    assert all(line.endswith("peers 1") for line in epoch_lines), epoch_lines
+    epoch_after_refusals = epochs_in(first.log())
+
+    # 2. forged progress: epoch 10^9, and 10^12 samples
+    forgers = [forge_progress(address, 10**9, 0), forge_progress(address, epochs_in(first.log()), 10**12)]
+    try:
+        epoch_at_forgery = epochs_in(first.log())
+        second = start_peer(spawn, tmp_path, "b", "--target-batch-size", TARGET, "--initial-peers", address,
+                            "--max-seconds", "200")
+        wait_until(lambda: epochs_in(second.log()) >= epoch_at_forgery + 3 and "peers 2" in second.log(), 120,
+                   message="the newcomer to train with the first peer, three epochs past the forgery")
+        assert epochs_in(first.log()) >= epoch_at_forgery + 3 >= epoch_after_refusals + 3
+        for peer in (first, second):
+            peer.send(signal.SIGTERM)
+            assert peer.wait(60) == 0, peer.log()[-3000:]
+    finally:
+        for forger in forgers:
+            forger.shutdown()
+
+    a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("a", "b"))
+    assert "not believing the progress records" in first.log() and "epoch 1000000000 claimed" in first.log()
+    assert "1000000000000 samples claimed in one epoch" in first.log()
+    # believed, the lie makes a peer download in a loop (~520 times in 80 s, mostly failing); a download or two
+    # is the ordinary resync of two peers in a fast swarm
+    assert a["state_downloads"] <= 2 and "no peer sent a usable state" not in first.log()
+    # a newcomer believes its first look once; then what it was served settles it (plus the usual chase)
+    assert b["state_downloads"] <= 10
