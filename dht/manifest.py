@@ -18,7 +18,7 @@ from typing import Dict, Optional
 import hivemind
 from hivemind.utils import get_dht_time
 
-from dht.records import RunManifest, own_subkey
+from dht.records import RunManifest, own_subkey, read_live
 
 logger = logging.getLogger(__name__)
 
@@ -31,18 +31,7 @@ REFRESH_PERIOD_SECONDS = 60.0
 
 def read_manifests(dht: hivemind.DHT, key: str, timeout_seconds: float) -> Dict[bytes, RunManifest]:
     """Every live, valid copy of the manifest, by the subkey (owner) that holds it."""
-    found = dht.get(key, latest=True, return_future=True).result(timeout=timeout_seconds)
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    now, copies = get_dht_time(), {}
-    for owner, entry in found.value.items():
-        if entry.value is None or entry.expiration_time < now:
-            continue
-        try:
-            copies[owner] = RunManifest.parse_obj(entry.value)
-        except Exception:  # a malformed value that slipped past an old validator: ignore, never crash
-            continue
-    return copies
+    return read_live(dht, key, RunManifest, timeout_seconds)
 
 
 def agreed_manifest(copies: Dict[bytes, RunManifest]) -> Optional[RunManifest]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Dict, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Type, Union
 
 import hivemind
 from hivemind.dht.routing import DHTID
@@ -112,19 +112,23 @@ def record_validators(keys: SwarmKeys) -> List:
 
 def read_peer_infos(dht: hivemind.DHT, run_id: str, timeout_seconds: float = 10.0) -> Dict[bytes, PeerInfo]:
     """Live, valid PeerInfo records of the run, by owner public key."""
-    found = dht.get(peers_key(run_id), latest=True, return_future=True).result(timeout=timeout_seconds)
+    return read_live(dht, peers_key(run_id), PeerInfo, timeout_seconds)
+
+
+def read_live(dht: hivemind.DHT, key: str, model: Type[BaseModel], timeout_seconds: float) -> Dict[bytes, BaseModel]:
+    """Every live value under key that parses as `model`, by owner public key."""
+    found = dht.get(key, latest=True, return_future=True).result(timeout=timeout_seconds)
     if found is None or not isinstance(found.value, dict):
         return {}
-    now = get_dht_time()
-    infos = {}
+    now, records = get_dht_time(), {}
     for owner, entry in found.value.items():
-        if entry.expiration_time < now:
+        if entry.value is None or entry.expiration_time < now:
             continue
         try:
-            infos[owner] = PeerInfo.parse_obj(entry.value)
+            records[owner] = model.parse_obj(entry.value)
         except Exception:  # a malformed value that slipped past an old validator: ignore, never crash
             continue
-    return infos
+    return records
 
 
 def own_subkey() -> bytes:
