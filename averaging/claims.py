@@ -8,8 +8,8 @@ reads the records, ClaimFilter drops those that cannot be true:
 - absurd values: more samples than MAX_TARGETS_OF_SAMPLES target batches in one epoch, a rate
   above MAX_SAMPLES_PER_SECOND, a record written more than max_clock_skew_seconds in the future
   (by our clock), or one set to expire more than max_ttl_seconds ahead;
-- epochs the swarm cannot have reached: once this peer has seen another peer's epoch, the swarm's
-  epoch can only grow as fast as it accumulates samples. A record claiming more than
+- epochs the swarm cannot have reached: once this peer has seen another peer's epoch, or has trained
+  through an epoch itself, the swarm's epoch can only grow as fast as it accumulates samples. A record claiming more than
   reference epoch + EPOCH_LEAD + (time since the swarm reached it x rates x RATE_MARGIN / target)
   is not believed, where the rates are those of the records believed last time plus the claimant's
   own. After a state download, the epoch actually served becomes the reference, so a claim that
@@ -49,8 +49,13 @@ class ClaimFilter:
         self._reference: Optional[tuple] = None  # (epoch, when the swarm reached it, as far as this peer knows)
         self._rate = 0.0  # samples per second of the records believed last time
 
-    def filter(self, metadata: Mapping[bytes, object], now: float) -> Dict[bytes, object]:
-        """The entries worth believing, from hivemind's {owner: ValueWithExpiration(progress dict)}."""
+    def filter(self, metadata: Mapping[bytes, object], now: float, local_epoch: int = 0) -> Dict[bytes, object]:
+        """The entries worth believing, from hivemind's {owner: ValueWithExpiration(progress dict)}.
+
+        :param local_epoch: this peer's epoch now; once it has trained through one, it knows where the swarm was
+        """
+        if local_epoch >= 1:  # a fresh peer's epoch 0 says nothing about where the swarm is
+            self._advance_reference(local_epoch, now)
         kept = {}
         for owner, entry in metadata.items():
             value = getattr(entry, "value", None)
@@ -105,15 +110,15 @@ class ClaimFilter:
         samples = max(0.0, now - since) * rate * RATE_MARGIN
         return epoch + EPOCH_LEAD + math.ceil(samples / max(1, self.target_batch_size))
 
+    def _advance_reference(self, epoch: int, now: float) -> None:
+        if self._reference is None or epoch > self._reference[0]:
+            self._reference = (epoch, now)
+
     def _remember(self, kept: Mapping[bytes, object], now: float) -> None:
-        # this peer's own record counts once it has trained through an epoch with the swarm (or alone); a fresh
-        # peer's epoch 0 says nothing about where the swarm is
-        known = [entry for owner, entry in kept.items() if _get(entry, "epoch") is not None
-                 and (owner != self.own_owner or _number(entry.value, "epoch") >= 1)]
-        if known:
-            epoch = max(int(_number(entry.value, "epoch")) for entry in known)
-            if self._reference is None or epoch > self._reference[0]:
-                self._reference = (epoch, now)
+        others = [entry for owner, entry in kept.items()
+                  if owner != self.own_owner and _get(entry, "epoch") is not None]
+        if others:
+            self._advance_reference(max(int(_number(entry.value, "epoch")) for entry in others), now)
         self._rate = sum(min(MAX_SAMPLES_PER_SECOND, _number(entry.value, "samples_per_second"))
                          for entry in kept.values() if _get(entry, "samples_per_second") is not None)
 

@@ -253,7 +253,7 @@ _unfiltered_parse = ProgressTracker._parse_swarm_progress_data
 def _filtered_parse(self: ProgressTracker, metadata):
     claims = getattr(self, "claims", None)  # set by averaging/progress.py on the trackers we build
     if claims is not None and isinstance(metadata, dict):
-        metadata = claims.filter(metadata, get_dht_time())
+        metadata = claims.filter(metadata, get_dht_time(), local_epoch=self.local_progress.epoch)
     return _unfiltered_parse(self, metadata)
 
 

@@ -304,9 +304,10 @@ def main(argv=None) -> int:
         "batch_size": batch_size,
         "ways": {
             "plain": "plain PyTorch loop: batch to device, forward, backward, float(loss), optimizer step, zero_grad",
-            "daemon": "peer.trainer.Trainer.run() with a real DHT and SwarmOptimizer, monitoring wired as in "
-                      "peer.app (PhaseTimer -> PeerMetrics + BottleneckClassifier, MetricsObserver, HealthCheck, "
-                      "exporter, peer-record publisher); target batch too large for any averaging round",
+            "daemon": "peer.trainer.Trainer.run() with a real DHT and SyncOptimizer, assembled by "
+                      "peer/builder.py as peer start does (PhaseTimer -> PeerMetrics + BottleneckClassifier, "
+                      "MetricsObserver, HealthCheck, exporter, peer-record publisher); target batch too large for "
+                      "any averaging round",
             "daemon_monitoring_off": "the same Trainer with no-op phase timer and observer (exporter and publisher "
                                      "still running, idle)",
             "hivemind": "bare hivemind.Optimizer loop on the same DHT, same huge target batch",

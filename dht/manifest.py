@@ -16,9 +16,8 @@ import logging
 from typing import Dict, Optional
 
 import hivemind
-from hivemind.utils import get_dht_time
 
-from dht.records import RunManifest, own_subkey, read_live
+from dht.records import RunManifest, read_live
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +43,3 @@ def agreed_manifest(copies: Dict[bytes, RunManifest]) -> Optional[RunManifest]:
         return None
     best = max(groups.values(), key=lambda group: (len(group), -min(m.created for m in group)))
     return min(best, key=lambda manifest: manifest.created)
-
-
-def store_manifest(dht: hivemind.DHT, key: str, manifest: RunManifest, timeout_seconds: float = 10.0) -> bool:
-    """Store this peer's copy (waits until stored); False if the DHT did not take it."""
-    try:
-        return bool(dht.store(key, subkey=own_subkey(), value=manifest.dict(),
-                              expiration_time=get_dht_time() + MANIFEST_TTL_SECONDS,
-                              return_future=True).result(timeout=timeout_seconds))
-    except Exception as e:  # the caller decides whether a missing copy matters
-        logger.debug(f"could not store the run manifest: {e!r}")
-        return False

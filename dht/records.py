@@ -137,9 +137,15 @@ def own_subkey() -> bytes:
     return RSASignatureValidator().local_public_key
 
 
-def store_own(dht: hivemind.DHT, key: str, value, ttl_seconds: float) -> None:
-    """Store value under key, in this peer's own signed subkey (waits until stored)."""
-    dht.store(key, subkey=own_subkey(), value=value, expiration_time=get_dht_time() + ttl_seconds)
+def store_own(dht: hivemind.DHT, key: str, value, ttl_seconds: float, timeout_seconds: float = 10.0) -> bool:
+    """Store value (None withdraws it) under key, in this peer's own signed subkey; False if it was not stored in
+    time. Every record of ours is advisory to the swarm, so a failed store is logged, never raised."""
+    try:
+        return bool(dht.store(key, subkey=own_subkey(), value=value, expiration_time=get_dht_time() + ttl_seconds,
+                              return_future=True).result(timeout=timeout_seconds))
+    except Exception as e:  # the record expires by itself, or is stored again at its next refresh
+        logger.debug(f"could not store {key}: {e!r}")
+        return False
 
 
 def read_by_owner(dht: hivemind.DHT, key: str) -> Dict[bytes, object]:
@@ -164,20 +170,15 @@ class RecordPublisher(threading.Thread):
         super().__init__(name=f"RecordPublisher({key})", daemon=True)
         self.dht, self.key, self.make_value = dht, key, make_value
         self.period_seconds, self.ttl_seconds, self.withdraw_on_stop = period_seconds, ttl_seconds, withdraw_on_stop
-        self.owner_key = own_subkey()
         self._stop_event = threading.Event()
 
     def publish_now(self, timeout_seconds: float = 10.0) -> bool:
         try:
             value = self.make_value()
-            if value is None:
-                return False
-            future = self.dht.store(self.key, subkey=self.owner_key, value=value,
-                                    expiration_time=get_dht_time() + self.ttl_seconds, return_future=True)
-            return bool(future.result(timeout=timeout_seconds))
         except Exception as e:  # publishing is best-effort: training goes on without it
-            logger.debug(f"could not publish {self.key}: {e!r}")
+            logger.debug(f"could not make the value of {self.key}: {e!r}")
             return False
+        return value is not None and store_own(self.dht, self.key, value, self.ttl_seconds, timeout_seconds)
 
     def run(self) -> None:
         while not self._stop_event.is_set():
@@ -189,15 +190,8 @@ class RecordPublisher(threading.Thread):
         self._stop_event.set()
         if self.is_alive():
             self.join(timeout_seconds)
-        if not self.withdraw_on_stop:
-            return
-        try:
-            self.dht.store(
-                self.key, subkey=self.owner_key, value=None,
-                expiration_time=get_dht_time() + self.ttl_seconds, return_future=True,
-            ).result(timeout=timeout_seconds)
-        except Exception as e:  # best-effort: the record expires by itself within its TTL
-            logger.debug(f"could not withdraw {self.key}: {e!r}")
+        if self.withdraw_on_stop:
+            store_own(self.dht, self.key, None, self.ttl_seconds, timeout_seconds)
 
 
 class PeerInfoPublisher(RecordPublisher):

@@ -25,8 +25,8 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dht.keys import SwarmKeys
-from dht.manifest import PROTOCOL_VERSION, agreed_manifest, read_manifests, store_manifest
-from dht.records import RunManifest, read_peer_infos
+from dht.manifest import MANIFEST_TTL_SECONDS, PROTOCOL_VERSION, agreed_manifest, read_manifests
+from dht.records import RunManifest, read_peer_infos, store_own
 from peer.config import OPTIONS_BY_CLI, PeerConfig
 from peer.exit_codes import BadInput
 
@@ -117,7 +117,7 @@ def join_run(dht, keys: SwarmKeys, ours: RunManifest, timeout_seconds: float,
         if swarm is None and not read_peer_infos(dht, keys.run_id, request_timeout):
             # nobody else is here: this peer starts the run. Peers started at the same moment each store their
             # own; reading back decides between them (the oldest of equally held manifests wins).
-            store_manifest(dht, keys.manifest, ours)
+            store_own(dht, keys.manifest, ours.dict(), MANIFEST_TTL_SECONDS)
             swarm = agreed_manifest(read_manifests(dht, keys.manifest, request_timeout)) or ours
             if not differences(ours, swarm):
                 logger.info("this peer starts the run: stored its manifest")
@@ -125,8 +125,7 @@ def join_run(dht, keys: SwarmKeys, ours: RunManifest, timeout_seconds: float,
             problems = differences(ours, swarm)
             if problems:
                 raise ManifestMismatch("\n".join(problems))
-            store_manifest(dht, keys.manifest, swarm)
-            return swarm
+            return swarm  # the caller keeps this peer's copy of it alive
         if time.monotonic() >= deadline:
             raise ManifestUnreadable(
                 f"peers of run {keys.run_id!r} are visible but no run manifest could be read within "

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import psutil
+import pytest
 import torch
 
 from benchmarks.common import child_env, kill_session
@@ -38,6 +41,29 @@ def start_peer(spawn, tmp_path: Path, name: str, *extra: str, env: Optional[Dict
     tmp_path/name.json."""
     return spawn(name, "start", *FAST_SWARM_ARGS, "--checkpoint-dir", str(tmp_path / name),
                  "--summary-json", str(tmp_path / f"{name}.json"), *extra, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def tmpfs(mount_point: Path, size: str, command_timeout_seconds: float = 30.0) -> Iterator[Path]:
+    """A small tmpfs mounted at mount_point (an existing directory), lazily unmounted afterwards.
+
+    Skips the test, saying why, where it cannot be mounted: it needs root on Linux."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("needs root on Linux to mount a small tmpfs")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True, timeout=command_timeout_seconds)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=command_timeout_seconds)
 
 
 def epochs_in(log: str) -> int:

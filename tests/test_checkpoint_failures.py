@@ -27,6 +27,7 @@ from monitoring import BottleneckClassifier, HealthCheck, MetricsExporter, PeerM
 from peer.app import PeerRun, finish
 from peer.builder import MetricsObserver
 from peer.exit_codes import ExitCode
+from tests.peers import tmpfs
 from tests.test_trainer_unit import BATCH, TARGET, Rig, make_rig
 
 EPOCHS = 5
@@ -83,18 +84,12 @@ def read_only_switch(tmp_path):
         directory.chmod(0o755)
         return
 
-    def mount(*args: str) -> None:
-        subprocess.run(["mount", *args], check=True, capture_output=True, timeout=COMMAND_TIMEOUT_SECONDS)
+    def remount(mode: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,{mode}", str(directory)], check=True, capture_output=True,
+                       timeout=COMMAND_TIMEOUT_SECONDS)
 
-    try:
-        mount("-t", "tmpfs", "-o", "size=16m", "tmpfs", str(directory))
-    except (OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"running as root, but cannot mount a tmpfs to make read-only (chmod does not stop root): {e}")
-    try:
-        yield lambda: mount("-o", "remount,ro", str(directory)), lambda: mount("-o", "remount,rw", str(directory)), \
-            "EROFS"
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=COMMAND_TIMEOUT_SECONDS)
+    with tmpfs(directory, "16m"):
+        yield lambda: remount("ro"), lambda: remount("rw"), "EROFS"
 
 
 def get(url: str) -> tuple:

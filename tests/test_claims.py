@@ -65,8 +65,8 @@ def test_a_fresh_peers_own_record_sets_no_reference_but_a_trained_one_does():
     believed.filter({ME: entry(0, rate=0.0)}, NOW)  # alone and fresh: nothing known about the swarm
     assert set(believed.filter({ME: entry(0, rate=0.0), HONEST: entry(50)}, NOW + 1)) == {ME, HONEST}
     alone = claims()
-    alone.filter({ME: entry(3)}, NOW)  # it trained three epochs alone: it knows the pace
-    assert set(alone.filter({ME: entry(3), LIAR: entry(10**9)}, NOW + 1)) == {ME}
+    alone.filter({ME: entry(2)}, NOW, local_epoch=3)  # it trained three epochs alone (its record lags): it knows
+    assert set(alone.filter({ME: entry(3), LIAR: entry(10**9)}, NOW + 1, local_epoch=3)) == {ME}
 
 
 def test_a_claim_that_made_a_newcomer_download_is_judged_by_what_was_served():

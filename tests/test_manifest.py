@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dht.keys import SwarmKeys
-from dht.manifest import PROTOCOL_VERSION, agreed_manifest, read_manifests, store_manifest
+from dht.manifest import MANIFEST_TTL_SECONDS, PROTOCOL_VERSION, agreed_manifest, read_manifests
 from dht.records import (
     PeerInfo,
     RecordLimitsValidator,
@@ -130,11 +130,11 @@ def test_a_stop_while_waiting_for_the_manifest_returns_none(two_dhts):
 
 
 @pytest.mark.timeout(60)
-def test_store_manifest_writes_this_processes_own_subkey():
+def test_a_manifest_copy_is_stored_in_this_processes_own_subkey():
     keys = SwarmKeys.for_run("own-subkey")
     dht = hivemind.DHT(start=True, host_maddrs=LOCALHOST, record_validators=record_validators(keys))
     try:
-        assert store_manifest(dht, keys.manifest, manifest())
+        assert store_own(dht, keys.manifest, manifest().dict(), MANIFEST_TTL_SECONDS)
         assert list(read_manifests(dht, keys.manifest, 10)) == [own_subkey()]
     finally:
         dht.shutdown()

@@ -1,7 +1,6 @@
 """Monitoring on real peers: the metric contract on /metrics, /healthz, and the bottleneck classifier."""
 from __future__ import annotations
 
-import socket
 import urllib.error
 import urllib.request
 from typing import Dict, Optional, Tuple
@@ -10,15 +9,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monitoring import CONTRACT_METRICS
-from tests.peers import FAST_SWARM_ARGS, wait_until
+from tests.peers import FAST_SWARM_ARGS, free_port, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def get(port: int, path: str) -> Tuple[int, str]:

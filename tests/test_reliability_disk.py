@@ -2,15 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.peers import load_model_state, max_parameter_difference, start_peer
+from tests.peers import free_port, load_model_state, max_parameter_difference, start_peer, tmpfs
 
 pytestmark = pytest.mark.integration
 
@@ -24,22 +20,8 @@ def small_disk(tmp_path: Path):
     """A 4 MiB tmpfs (room for one bytelm-tiny checkpoint and the temp file of the next), unmounted afterwards."""
     mount_point = tmp_path / "small-disk"
     mount_point.mkdir()
-    if not sys.platform.startswith("linux") or os.geteuid() != 0:
-        pytest.skip("needs root on Linux to mount a small tmpfs as a peer's checkpoint disk")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True, timeout=COMMAND_TIMEOUT_SECONDS)
-    if mounted.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(mount_point, "4m"):
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=COMMAND_TIMEOUT_SECONDS)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.timeout(180)

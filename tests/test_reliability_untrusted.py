@@ -82,5 +82,7 @@ def test_incompatible_peers_are_refused_and_forged_progress_freezes_nobody(spawn
     # believed, the lie makes a peer download in a loop (~520 times in 80 s, mostly failing); a download or two
     # is the ordinary resync of two peers in a fast swarm
     assert a["state_downloads"] <= 2 and "no peer sent a usable state" not in first.log()
-    # a newcomer believes its first look once; then what it was served settles it (plus the usual chase)
-    assert b["state_downloads"] <= 10
+    # a newcomer believes its first look once; then what it was served settles it. The rest is the usual chase of
+    # a newcomer in a fast swarm (2 to 11 seen here, about one per epoch it was behind); the lie believed would be
+    # a download at every step, hundreds by now
+    assert b["state_downloads"] <= 30
