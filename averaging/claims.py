@@ -9,8 +9,8 @@ reads the records, ClaimFilter drops those that cannot be true:
   above MAX_SAMPLES_PER_SECOND, a record written more than max_clock_skew_seconds in the future
   (by our clock), or one set to expire more than max_ttl_seconds ahead;
 - epochs the swarm cannot have reached: once this peer has seen another peer's epoch, or has trained
-  through an epoch itself, the swarm's epoch can only grow as fast as it accumulates samples. A record claiming more than
-  reference epoch + EPOCH_LEAD + (time since the swarm reached it x rates x RATE_MARGIN / target)
+  through an epoch itself, the swarm's epoch can only grow as fast as it accumulates samples. A record
+  claiming more than reference epoch + EPOCH_LEAD + (time since the swarm reached it x rates x RATE_MARGIN / target)
   is not believed, where the rates are those of the records believed last time plus the claimant's
   own. After a state download, the epoch actually served becomes the reference, so a claim that
   made a newcomer download costs one download, not a loop.
