@@ -65,6 +65,10 @@ class AveragingHooks:
     round_finished: Callable[[RoundReport], None] = lambda report: None
     state_loaded: Callable[[int], None] = lambda epoch: None
     """Called with the new local epoch after state was downloaded from peers."""
+    contribution_dropped: Callable[[str], None] = lambda reason: None
+    """A reducer of this peer left another peer's contribution out (reason: averaging/robust.py's Drop)."""
+    peer_excluded: Callable[[str], None] = lambda peer_id: None
+    """This peer excluded another one (base58 id) after repeated dropped contributions."""
 
 
 @dataclass

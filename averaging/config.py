@@ -134,6 +134,42 @@ class AveragingConfig(BaseModel):
         description="ZeRO-Offload: keep a master copy of the parameters and the optimizer state in host memory and "
         "run the optimizer step on the CPU; only parameters and gradients stay on the device.",
     )
+    robust_aggregation: Literal["mean", "trimmed-mean", "centered-clip"] = Field(
+        default="mean",
+        description="How a reducer combines the contributions it kept: mean (weighted by samples), trimmed-mean "
+        "(per coordinate, without the --robust-trim-fraction highest and lowest) or centered-clip (no sender moves "
+        "the result far). Contributions that hold NaN/Inf, or are far out by norm or direction, are dropped first.",
+    )
+    robust_norm_ratio: float = Field(
+        default=10.0,
+        gt=1,
+        description="Drop a contribution whose norm is more than this many times the median of the others' (needs "
+        "3 or more senders). Raise it if honest peers' updates differ a lot in size.",
+    )
+    robust_min_cosine: float = Field(
+        default=-0.2,
+        ge=-1,
+        le=1,
+        description="Drop a contribution whose cosine similarity to the others' coordinate-wise median is below "
+        "this (it points against the swarm, e.g. sign-flipped; needs 3 or more senders); -1 turns this off.",
+    )
+    robust_trim_fraction: float = Field(
+        default=0.25, ge=0, lt=0.5, description="trimmed-mean: the fraction cut from each end, per coordinate."
+    )
+    exclude_after: int = Field(
+        default=3,
+        ge=1,
+        description="Exclude a peer once this many of its last --exclude-window rounds were dropped by this peer's "
+        "reducers: it is then refused in matchmaking and state sharing.",
+    )
+    exclude_window: int = Field(
+        default=10, ge=1, description="How many of a peer's most recent rounds --exclude-after counts in."
+    )
+    exclusion_seconds: Optional[float] = Field(
+        default=None,
+        gt=0,
+        description="How long an excluded peer stays excluded; unset: for the rest of the run.",
+    )
     delay_updates: bool = Field(
         default=False,
         description="Delayed parameter updates: average and run the (offloaded) optimizer step in the background "
@@ -191,6 +227,11 @@ class AveragingConfig(BaseModel):
                 raise ValueError(
                     f"--{name}-min ({low}) is larger than --{name}-max ({high}); lower the first or raise the second"
                 )
+        if self.exclude_after > self.exclude_window:
+            raise ValueError(
+                f"--exclude-after ({self.exclude_after}) is larger than --exclude-window ({self.exclude_window}), so "
+                f"nobody could ever be excluded; lower the first or raise the second"
+            )
         if self.delay_updates and not self.offload_optimizer:
             raise ValueError(
                 "--delay-updates needs --offload-optimizer (the delayed step runs on the offloaded host copy); "

@@ -236,6 +236,7 @@ class DiLoCoOptimizer:
                 averager.join(timeout_seconds)
                 if averager.is_alive():
                     averager.terminate()
+        self.rounds.close()
 
     # --- one outer round -----------------------------------------------------------------------
 

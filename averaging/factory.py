@@ -18,6 +18,9 @@ from averaging.compression import codecs_from_config
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines
 from averaging.diloco import DiLoCoOptimizer
+from averaging.exclusion import ExclusionBook, ExclusionRule, ExclusionWatch
+from averaging.robust import RobustPolicy
+from averaging.robust_allreduce import Defence, building
 from averaging.rounds import RoundKeeper
 from averaging.sync import SyncOptimizer
 
@@ -37,12 +40,33 @@ def build_swarm_optimizer(
     :param tracker_opts: extra ProgressTracker options (tests give each in-process peer its own private_key)
     """
     hivemind_compat.install()  # before any averager process forks: they inherit the patched classes
-    rounds = RoundKeeper(replica.hooks, AdaptiveDeadlines(
+    defence = Defence(RobustPolicy(
+        norm_ratio=config.robust_norm_ratio, min_cosine=config.robust_min_cosine, rule=config.robust_aggregation,
+        trim_fraction=config.robust_trim_fraction,
+    ))
+    book = ExclusionBook(ExclusionRule(config.exclude_after, config.exclude_window, config.exclusion_seconds))
+    exclusion = ExclusionWatch(defence, book, on_drop=replica.hooks.contribution_dropped,
+                               on_exclude=replica.hooks.peer_excluded)
+    rounds = RoundKeeper(replica.hooks, _deadlines(config), exclusion=exclusion)
+    try:
+        with building(defence):  # every averager forked below carries it
+            return _build(config, replica, tracker_opts, rounds)
+    except BaseException:
+        exclusion.close()
+        raise
+
+
+def _deadlines(config: AveragingConfig) -> AdaptiveDeadlines:
+    return AdaptiveDeadlines(
         matchmaking_seconds=config.seconds("matchmaking_seconds"),
         averaging_timeout_seconds=config.seconds("averaging_timeout_seconds"),
         matchmaking_bounds=(config.matchmaking_seconds_min, config.matchmaking_seconds_max),
         timeout_bounds=(config.averaging_timeout_seconds_min, config.averaging_timeout_seconds_max),
-    ))
+    )
+
+
+def _build(config: AveragingConfig, replica: Replica, tracker_opts: Optional[dict], rounds: RoundKeeper
+           ) -> SwarmOptimizer:
     # what the averager processes fix at start: the matchmaking floor and the all-reduce timeout
     matchmaking_floor = config.seconds("matchmaking_seconds") or config.matchmaking_seconds_min
     allreduce_timeout = config.seconds("averaging_timeout_seconds") or config.averaging_timeout_seconds_max

@@ -17,7 +17,10 @@ averager processes inherit the patched classes at fork:
 - open rounds: every round started in this process is recorded, so that a leaving peer can drop
   the rounds nobody will join (averaging/open_rounds.py);
 - progress claims: a tracker with a ClaimFilter attached (averaging/claims.py) reads only the
-  progress records that filter believes.
+  progress records that filter believes;
+- robust aggregation and exclusion: an averager built with a Defence (averaging/robust_allreduce.py)
+  reduces with a RobustPartReducer and refuses excluded peers in matchmaking, all-reduce and state
+  sharing. An averager built without one behaves as upstream.
 """
 from __future__ import annotations
 
@@ -28,17 +31,24 @@ import inspect
 import logging
 import time
 import weakref
-from typing import Callable, Dict, List, Tuple
+from typing import AsyncIterator, Callable, Dict, List, Tuple
 
 import hivemind
 import numpy as np
 import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.optim.progress_tracker import ProgressTracker
-from hivemind.proto import runtime_pb2
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
+
+from averaging import robust_allreduce
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +61,8 @@ _STATE_AVERAGER = "hivemind.optim.state_averager.TrainingStateAverager"
 _AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"
 _QUANTIZATION = "hivemind.compression.quantization"
 _TRACKER = "hivemind.optim.progress_tracker.ProgressTracker"
+_MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
+_REDUCER = "hivemind.averaging.partition.TensorPartReducer"
 
 # qualified name -> (sha256 of its source, first 16 hex digits; the module of ours that depends on it)
 UPSTREAM: Dict[str, Tuple[str, str]] = {
@@ -61,6 +73,20 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     "hivemind.averaging.key_manager.GroupKeyManager.get_averagers":
         ("916b0cdb1efbc75c", "averaging/hivemind_compat.py"),
     f"{_AVERAGER}.step": ("0bccfba139de5ec2", "averaging/hivemind_compat.py"),
+    f"{_AVERAGER}._run_allreduce_inplace_": ("914d57cffc7d69e1", "averaging/hivemind_compat.py"),
+    f"{_AVERAGER}.run": ("56590878daa9e5a0", "averaging/hivemind_compat.py"),
+    f"{_AVERAGER}.run_in_background": ("028dd8b1e9b723d8", "averaging/hivemind_compat.py"),
+    f"{_AVERAGER}.rpc_join_group": ("a0c1dec1f5165713", "averaging/hivemind_compat.py"),
+    f"{_AVERAGER}.rpc_download_state": ("fd2f6f19e7d247af", "averaging/hivemind_compat.py"),
+    f"{_AVERAGER}._load_state_from_peers": ("fe7b419d01ced5fe", "averaging/hivemind_compat.py"),
+    f"{_MATCHMAKING}._request_join_group": ("df823040a94d1c1d", "averaging/hivemind_compat.py"),
+    # subclassed by averaging/robust_allreduce.py
+    f"{_REDUCER}.__init__": ("9ebe1038f511931b", "averaging/robust_allreduce.py"),
+    f"{_REDUCER}.accumulate_part": ("1d64a8bd77052ac4", "averaging/robust_allreduce.py"),
+    f"{_REDUCER}.check_current_part_finished": ("ec9b059c42f3ca27", "averaging/robust_allreduce.py"),
+    f"{_REDUCER}.reset_accumulators": ("5d3dc36f344a342e", "averaging/robust_allreduce.py"),
+    f"{_REDUCER}.finalize": ("dded462a11871d59", "averaging/robust_allreduce.py"),
+    "hivemind.averaging.allreduce.AllReduceRunner.__init__": ("597a0c8dbbeabbe3", "averaging/robust_allreduce.py"),
     # overridden by SyncOptimizer, or mimicked by DiLoCoOptimizer
     f"{_OPTIMIZER}.__init__": ("310edba41646edad", "averaging/sync.py"),
     f"{_OPTIMIZER}._make_state_averager": ("59a43eff001c3284", "averaging/sync.py"),
@@ -257,6 +283,102 @@ def _filtered_parse(self: ProgressTracker, metadata):
     return _unfiltered_parse(self, metadata)
 
 
+# --- robust aggregation and exclusion --------------------------------------------------------------
+
+_plain_run_in_background = DecentralizedAverager.run_in_background
+_plain_run = DecentralizedAverager.run
+_plain_rpc_join_group = DecentralizedAverager.rpc_join_group
+_plain_rpc_download_state = DecentralizedAverager.rpc_download_state
+_plain_request_join_group = Matchmaking._request_join_group
+_plain_get_stub = DecentralizedAverager.get_stub
+
+
+def _run_in_background_with_defence(self: DecentralizedAverager, *args, **kwargs):
+    robust_allreduce.carry_defence(self)  # before the fork: the averager's process inherits it
+    return _plain_run_in_background(self, *args, **kwargs)
+
+
+def _run_with_defence(self: DecentralizedAverager):
+    robust_allreduce.activate_defence(self)  # in the averager's own process
+    return _plain_run(self)
+
+
+async def _run_allreduce_inplace_robustly(self: DecentralizedAverager, tensors, group_info: GroupInfo,
+                                          group_id=None, **kwargs):
+    # upstream's DecentralizedAverager._run_allreduce_inplace_, with a RobustAllReduceRunner when this
+    # averager carries a Defence, and no round at all with an excluded peer in the group
+    defence = robust_allreduce.active
+    group_id = group_info.group_id if group_id is None else group_id
+    runner_class, extra = AllReduceRunner, {}
+    if defence is not None:
+        excluded = [peer for peer in group_info.peer_ids if peer in defence.excluded()]
+        if excluded:
+            raise robust_allreduce.ExcludedPeerInGroup(
+                f"the group holds {len(excluded)} excluded peer(s) ({excluded[0]}); not averaging with it"
+            )
+        runner_class, extra = robust_allreduce.RobustAllReduceRunner, dict(defence=defence)
+    runner = runner_class(
+        p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+        ordered_peer_ids=group_info.peer_ids, **extra, **kwargs,
+    )
+    assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+    self._running_groups[group_id].set_result(runner)
+    if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update, alpha=self._averaging_alpha)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
+    else:
+        async for _ in runner:
+            raise ValueError("aux peers should not receive averaged tensors")
+
+
+async def _rpc_join_group_refusing_excluded(
+    self: DecentralizedAverager, request: averaging_pb2.JoinRequest, context: P2PContext
+) -> AsyncIterator[averaging_pb2.MessageFromLeader]:  # hivemind's servicer reads these annotations
+    if robust_allreduce.is_excluded(context.remote_id):
+        yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+        return
+    async for response in _plain_rpc_join_group(self, request, context):
+        yield response
+
+
+async def _request_join_group_skipping_excluded(self: Matchmaking, leader):
+    if robust_allreduce.is_excluded(leader):
+        return None  # upstream's answer for a leader that did not take us: try the next one
+    return await _plain_request_join_group(self, leader)
+
+
+async def _rpc_download_state_refusing_excluded(
+    self: DecentralizedAverager, request: averaging_pb2.DownloadRequest, context: P2PContext
+) -> AsyncIterator[averaging_pb2.DownloadData]:
+    if robust_allreduce.is_excluded(context.remote_id):
+        return  # upstream's answer when sharing is off: the peer moves on to the next donor
+    async for message in _plain_rpc_download_state(self, request, context):
+        yield message
+
+
+class _NoStateStub:
+    """A stub to an excluded peer as a state donor: it sends nothing, so upstream moves on to the next."""
+
+    def __init__(self, stub):
+        self._stub = stub
+
+    def __getattr__(self, name):
+        return getattr(self._stub, name)
+
+    async def rpc_download_state(self, request):
+        return as_aiter()
+
+
+@classmethod
+def _get_stub_without_excluded_donors(cls, p2p, peer, *, namespace=None):
+    # called as self.get_stub only by upstream's _load_state_from_peers; the other callers go through
+    # the class and reach excluded peers only in rounds that the patches above refuse anyway
+    stub = _plain_get_stub.__func__(cls, p2p, peer, namespace=namespace)
+    return _NoStateStub(stub) if robust_allreduce.is_excluded(peer) else stub
+
+
 _PATCHES: Dict[str, Callable] = {
     f"{_QUANTIZATION}.Quantization.extract": _quantization_extract,
     f"{_QUANTIZATION}.BlockwiseQuantization.extract": _blockwise_extract,
@@ -264,6 +386,13 @@ _PATCHES: Dict[str, Callable] = {
     f"{_AVERAGER}._declare_for_download_periodically": _paced_declare_for_download_periodically,
     f"{_AVERAGER}.step": _recorded_step,
     f"{_TRACKER}._parse_swarm_progress_data": _filtered_parse,
+    f"{_AVERAGER}.run_in_background": _run_in_background_with_defence,
+    f"{_AVERAGER}.run": _run_with_defence,
+    f"{_AVERAGER}._run_allreduce_inplace_": _run_allreduce_inplace_robustly,
+    f"{_AVERAGER}.rpc_join_group": _rpc_join_group_refusing_excluded,
+    f"{_AVERAGER}.rpc_download_state": _rpc_download_state_refusing_excluded,
+    f"{_AVERAGER}.get_stub": _get_stub_without_excluded_donors,
+    f"{_MATCHMAKING}._request_join_group": _request_join_group_skipping_excluded,
 }
 # the upstream originals, kept so that they can still be fingerprinted once patched
-_UNPATCHED: Dict[str, Callable] = {name: _resolve(name) for name in _PATCHES}
+_UNPATCHED: Dict[str, Callable] = {name: _resolve(name) for name in _PATCHES if name in UPSTREAM}

@@ -6,6 +6,7 @@
 - Resync: a round that failed or timed out while the swarm went on without this peer leaves it
   apart; it then downloads the swarm's state before its next step instead of drifting.
 - Deadlines: with 'auto', they are chosen again after every epoch from the swarm's rate.
+- Exclusion: the watch that turns reducers' verdicts into excluded peers runs as long as the rounds.
 - State downloads: a bounded number of attempts instead of hivemind's `while True`, and after a
   download that got nothing, the next one waits (2 s, doubling up to a minute): a peer whose
   downloads keep failing (another model's shapes, a claimed epoch nobody can serve) must not ask
@@ -21,6 +22,7 @@ from typing import Callable, ContextManager, Iterable, Optional
 
 from averaging.api import AveragingHooks, RoundReport, SwarmView
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
+from averaging.exclusion import ExclusionWatch
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +34,20 @@ class RoundKeeper:
     """One per optimizer; created on the training thread."""
 
     def __init__(
-        self, hooks: AveragingHooks, deadlines: AdaptiveDeadlines, load_state_attempts: int = LOAD_STATE_ATTEMPTS
+        self, hooks: AveragingHooks, deadlines: AdaptiveDeadlines, load_state_attempts: int = LOAD_STATE_ATTEMPTS,
+        exclusion: Optional[ExclusionWatch] = None,
     ):
         self.hooks, self.deadlines, self.load_state_attempts = hooks, deadlines, load_state_attempts
+        self.exclusion = exclusion
         self._training_thread = threading.current_thread()
         self._resync_requested = False
         self._failed_downloads, self._next_download_at = 0, float("-inf")
         self.clock = time.monotonic
+
+    def close(self) -> None:
+        """After the averagers have stopped."""
+        if self.exclusion is not None:
+            self.exclusion.close()
 
     def phase(self, name: str) -> ContextManager:
         if threading.current_thread() is self._training_thread:

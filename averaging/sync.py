@@ -99,6 +99,7 @@ class SyncOptimizer(hivemind.Optimizer):
                 averager.join(timeout_seconds)
                 if averager.is_alive():
                     averager.terminate()
+        self.rounds.close()
 
     # --- overrides of upstream methods ---------------------------------------------------------
 

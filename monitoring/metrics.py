@@ -22,6 +22,9 @@ from monitoring.phases import CATEGORIES, CATEGORY_OF_PHASE, PHASES
 ROUND_OUTCOMES = ("ok", "failed", "timeout", "skipped")
 """Values of the `outcome` label of `peer_averaging_rounds_total`."""
 
+DROP_REASONS = ("weight", "non-finite", "norm", "direction")
+"""Values of the `reason` label of `peer_dropped_contributions_total` (averaging/robust.py)."""
+
 ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, math.inf)
 """Averaging round durations: from a LAN round of tens of ms to a 5-minute timeout."""
 
@@ -46,6 +49,8 @@ PEER_METRICS: Dict[str, str] = {
     "peer_sent_bytes_total": "counter",
     "peer_received_bytes_total": "counter",
     "peer_checkpoint_failures_total": "counter",
+    "peer_dropped_contributions_total": "counter",
+    "peer_exclusions_total": "counter",
     "peer_info": "gauge",
     "peer_gpu_memory_allocated_bytes": "gauge",
     "peer_gpu_memory_peak_bytes": "gauge",
@@ -137,6 +142,16 @@ class PeerMetrics:
             "Checkpoints that could not be written (full, read-only or missing disk); the peer kept training.",
             registry=r,
         )
+        self.dropped_contributions = Counter(
+            "peer_dropped_contributions",
+            "Other peers' contributions that this peer's reducers left out of a round, by reason.", ["reason"],
+            registry=r,
+        )
+        self.exclusions = Counter(
+            "peer_exclusions",
+            "Peers this peer excluded from averaging and state sharing after repeated dropped contributions.",
+            registry=r,
+        )
         self.info = Gauge(
             "peer_info", "Constant 1, labelled with this peer's software version, device, strategy and compression.",
             list(INFO_LABELS), registry=r,
@@ -158,6 +173,8 @@ class PeerMetrics:
             self.bottleneck.labels(category=category)
         for outcome in ROUND_OUTCOMES:
             self.averaging_rounds.labels(outcome=outcome)
+        for reason in DROP_REASONS:
+            self.dropped_contributions.labels(reason=reason)
         self.train_loss.set(math.nan)  # NaN, not 0, until a loss is known: 0 would read as a perfect model
         self.validation_loss.set(math.nan)
 
@@ -204,6 +221,16 @@ class PeerMetrics:
     def record_checkpoint_failure(self) -> None:
         """A checkpoint could not be written."""
         self.checkpoint_failures.inc()
+
+    def record_dropped_contribution(self, reason: str) -> None:
+        """A reducer of this peer left another peer's contribution out of a round."""
+        if reason not in DROP_REASONS:
+            raise ValueError(f"unknown drop reason {reason!r}; reasons are {', '.join(DROP_REASONS)}")
+        self.dropped_contributions.labels(reason=reason).inc()
+
+    def record_exclusion(self) -> None:
+        """This peer excluded another one."""
+        self.exclusions.inc()
 
     def set_info(self, version: str, device: str, strategy: str, compression: str) -> None:
         """Describe this peer; replaces any earlier description, so `peer_info` has exactly one series."""

@@ -96,6 +96,12 @@ class MetricsObserver(TrainingObserver):
             self.metrics.record_checkpoint_failure()
             self.health.degrade(problem)
 
+    def on_dropped_contribution(self, reason: str) -> None:
+        self.metrics.record_dropped_contribution(reason)
+
+    def on_exclusion(self, peer_id: str) -> None:
+        self.metrics.record_exclusion()
+
 
 @dataclass
 class Monitoring:

@@ -5,7 +5,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from pydantic import BaseModel, Field
 
@@ -34,6 +34,10 @@ class PeerSummary(BaseModel):
     """The newest checkpoint this peer wrote."""
     checkpoint_failures: int = 0
     """Checkpoints that could not be written (a full, read-only or deleted disk); training went on."""
+    dropped_contributions: int = 0
+    """Other peers' contributions this peer's reducers left out (NaN/Inf, or far out by norm or direction)."""
+    excluded_peers: List[str] = Field(default_factory=list)
+    """Peers this peer excluded from averaging and state sharing, in order."""
     exit_reason: str = "running"
 
     def write(self, path: Path) -> None:

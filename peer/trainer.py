@@ -58,6 +58,10 @@ class TrainingObserver:
     def on_checkpoint(self, ok: bool, problem: str = "") -> None:
         """A checkpoint was written (ok), or not: then `problem` is one line for a person."""
 
+    def on_dropped_contribution(self, reason: str) -> None: ...
+
+    def on_exclusion(self, peer_id: str) -> None: ...
+
 
 class RoundTally:
     """Where the optimizer's reports go: the summary's counters and the observer."""
@@ -68,7 +72,8 @@ class RoundTally:
         self.last_outcome: Optional[str] = None
 
     def hooks(self, timer: PhaseTimer) -> AveragingHooks:
-        return AveragingHooks(phase=timer.phase, round_finished=self.on_round, state_loaded=self.on_state_loaded)
+        return AveragingHooks(phase=timer.phase, round_finished=self.on_round, state_loaded=self.on_state_loaded,
+                              contribution_dropped=self.on_dropped_contribution, peer_excluded=self.on_exclusion)
 
     def on_round(self, report: RoundReport) -> None:
         self.last_outcome = report.outcome
@@ -80,6 +85,15 @@ class RoundTally:
     def on_state_loaded(self, epoch: int) -> None:
         self.summary.state_downloads += 1
         logger.info(f"downloaded the swarm's state: now at epoch {epoch}")
+
+    # the two below are called from the exclusion watch thread
+    def on_dropped_contribution(self, reason: str) -> None:
+        self.summary.dropped_contributions += 1
+        self.observer.on_dropped_contribution(reason)
+
+    def on_exclusion(self, peer_id: str) -> None:
+        self.summary.excluded_peers.append(peer_id)
+        self.observer.on_exclusion(peer_id)
 
 
 @dataclass

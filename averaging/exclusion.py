@@ -1,0 +1,105 @@
+"""Exclusion: a peer whose contributions this peer's reducers keep dropping is refused from then on.
+
+Reducers judge each sender once per round (averaging/robust_allreduce.py). A peer is excluded once
+`threshold` of its last `window` judged rounds were offences, so that one transient NaN, or an
+honest peer's rare outlier, never excludes anyone. Exclusion lasts for the rest of the run, or
+`seconds` when set; it is logged once with the peer's id and counted. This peer is never judged:
+reducers leave their own contribution out of the verdicts.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Tuple
+
+from averaging.robust_allreduce import Defence, Verdict
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExclusionRule:
+    threshold: int = 3
+    window: int = 10
+    seconds: Optional[float] = None  # None: for the rest of the run
+
+
+class ExclusionBook:
+    """Keeps each peer's recent verdicts and who is excluded until when."""
+
+    def __init__(self, rule: ExclusionRule, clock: Callable[[], float] = time.monotonic):
+        self.rule, self.clock = rule, clock
+        self._recent: Dict[str, Deque[str]] = {}  # peer -> offences ("" for a clean round), newest last
+        self._until: Dict[str, float] = {}
+
+    def record(self, verdicts: Iterable[Verdict]) -> List[Tuple[str, str]]:
+        """Take verdicts in; return (peer, why) for each peer they exclude."""
+        newly_excluded = []
+        for verdict in verdicts:
+            if verdict.peer in self._until:
+                continue
+            recent = self._recent.setdefault(verdict.peer, deque(maxlen=self.rule.window))
+            recent.append(verdict.offence)
+            offences = [offence for offence in recent if offence]
+            if len(offences) >= self.rule.threshold:
+                self._until[verdict.peer] = self.clock() + (self.rule.seconds or float("inf"))
+                del self._recent[verdict.peer]
+                reasons = ", ".join(sorted(set(offences)))
+                why = (f"{len(offences)} of its last {len(recent)} judged rounds were dropped ({reasons}; "
+                       f"last: {verdict.detail or verdict.offence})")
+                newly_excluded.append((verdict.peer, why))
+        return newly_excluded
+
+    def expire(self) -> List[str]:
+        """Peers whose exclusion has just ended."""
+        now = self.clock()
+        ended = [peer for peer, until in self._until.items() if until <= now]
+        for peer in ended:
+            del self._until[peer]
+        return ended
+
+    @property
+    def excluded(self) -> List[str]:
+        return sorted(self._until)
+
+
+class ExclusionWatch:
+    """A thread in the peer's main process: reads the verdicts its averager processes send, keeps the
+    book, and shares the excluded list back with them."""
+
+    POLL_SECONDS = 0.5
+
+    def __init__(self, defence: Defence, book: ExclusionBook, on_drop: Callable[[str], None] = lambda reason: None,
+                 on_exclude: Callable[[str], None] = lambda peer: None):
+        self.defence, self.book = defence, book
+        self.on_drop, self.on_exclude = on_drop, on_exclude
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="exclusion-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            verdicts = self.defence.take_verdicts(timeout=self.POLL_SECONDS)
+            for verdict in verdicts:
+                if verdict.offence:
+                    self.on_drop(verdict.offence)
+            changed = False
+            for peer, why in self.book.record(verdicts):
+                until = "for the rest of the run" if self.book.rule.seconds is None else \
+                    f"for {self.book.rule.seconds:g} s"
+                logger.warning(f"excluding peer {peer} {until}, from averaging and state sharing: {why}")
+                self.on_exclude(peer)
+                changed = True
+            for peer in self.book.expire():
+                logger.info(f"peer {peer} is no longer excluded (its {self.book.rule.seconds:g} s are over)")
+                changed = True
+            if changed:
+                self.defence.set_excluded(self.book.excluded)
+
+    def close(self, timeout_seconds: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_seconds)
+        self.defence.close()

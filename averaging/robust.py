@@ -1,0 +1,165 @@
+"""Robust aggregation: what a reducer does with the contributions it receives for one tensor part.
+
+In hivemind's butterfly all-reduce every peer reduces one part of every averaged tensor and sees each
+sender's contribution to that part. Instead of averaging whatever arrives, a reducer here:
+
+1. leaves out peers this peer has excluded (no new offence: they are already excluded);
+2. drops a contribution whose weight is negative or not finite, or whose values hold NaN or Inf;
+3. with at least three finite contributions (fewer cannot outvote anyone), drops one whose L2 norm is
+   more than `norm_ratio` times the median of the others' norms, then one whose cosine similarity to the
+   coordinate-wise median of the others is below `min_cosine` (it points away from the consensus: a sign
+   flip, or noise passed off as a gradient);
+4. combines what is left with `rule`: the weighted mean (hivemind's own), a coordinate-wise weighted
+   trimmed mean, or CenteredClip (Karimireddy et al. 2021, as in BTARD).
+
+Every drop but the first kind is an offence by its sender, reported so that repeat offenders can be
+excluded (averaging/exclusion.py). This module is pure torch: the hivemind wiring lives in
+averaging/robust_allreduce.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+RULES = ("mean", "trimmed-mean", "centered-clip")
+CENTERED_CLIP_ITERATIONS = 5
+
+
+@dataclass(frozen=True)
+class RobustPolicy:
+    norm_ratio: float = 10.0
+    min_cosine: float = -0.2  # -1 turns the direction check off
+    rule: str = "mean"
+    trim_fraction: float = 0.25
+
+
+@dataclass(frozen=True)
+class Contribution:
+    sender: int
+    part: torch.Tensor
+    weight: float
+
+
+@dataclass(frozen=True)
+class Drop:
+    sender: int
+    reason: str  # "excluded", "weight", "non-finite", "norm" or "direction"
+    detail: str = ""
+
+    @property
+    def is_offence(self) -> bool:
+        return self.reason != "excluded"
+
+
+class NothingToAggregate(RuntimeError):
+    """Every contribution to a part was dropped: the round cannot produce an honest result."""
+
+
+def aggregate(
+    contributions: Sequence[Contribution], policy: RobustPolicy, excluded: Sequence[int] = ()
+) -> Tuple[torch.Tensor, List[Drop]]:
+    """Combine the contributions to one part; return the result and what was dropped, and why."""
+    drops: List[Drop] = []
+    kept: List[Contribution] = []
+    for item in contributions:
+        drop = _screen(item, excluded)
+        (drops.append(drop) if drop else kept.append(item))
+    if len(kept) >= 3:
+        kept, outliers = _drop_outliers(kept, policy)
+        drops += outliers
+    if not kept:
+        raise NothingToAggregate(f"all {len(contributions)} contributions were dropped: {_describe(drops)}")
+    return _combine(kept, policy), drops
+
+
+def _screen(item: Contribution, excluded: Sequence[int]) -> Optional[Drop]:
+    if item.sender in excluded:
+        return Drop(item.sender, "excluded")
+    if not math.isfinite(item.weight) or item.weight < 0:
+        return Drop(item.sender, "weight", f"weight {item.weight}")
+    if not bool(torch.isfinite(item.part).all()):
+        return Drop(item.sender, "non-finite", "values hold NaN or Inf")
+    return None
+
+
+def _drop_outliers(kept: List[Contribution], policy: RobustPolicy) -> Tuple[List[Contribution], List[Drop]]:
+    drops: List[Drop] = []
+    norms = torch.stack([item.part.double().norm() for item in kept])
+    survivors = []
+    for index, item in enumerate(kept):
+        others = torch.cat([norms[:index], norms[index + 1:]])
+        typical = float(others.median())
+        if typical > 0 and float(norms[index]) > policy.norm_ratio * typical:
+            drops.append(Drop(item.sender, "norm", f"norm {float(norms[index]):.3g} vs median {typical:.3g}"))
+        else:
+            survivors.append(item)
+    if policy.min_cosine <= -1.0 or len(survivors) < 3:
+        return survivors, drops
+    stacked = torch.stack([item.part.flatten().float() for item in survivors])
+    kept = []
+    for index, item in enumerate(survivors):
+        others = torch.cat([stacked[:index], stacked[index + 1:]])
+        center = others.median(dim=0).values
+        if float(center.norm()) == 0 or float(stacked[index].norm()) == 0:
+            kept.append(item)  # no direction to compare: a part nobody has a gradient for yet
+            continue
+        cosine = float(torch.nn.functional.cosine_similarity(stacked[index], center, dim=0))
+        if cosine < policy.min_cosine:
+            drops.append(Drop(item.sender, "direction", f"cosine {cosine:.2f} to the others' median"))
+        else:
+            kept.append(item)
+    return kept, drops
+
+
+def _combine(kept: List[Contribution], policy: RobustPolicy) -> torch.Tensor:
+    shape, dtype = kept[0].part.shape, kept[0].part.dtype
+    values = torch.stack([item.part.flatten().float() for item in kept])
+    weights = torch.tensor([item.weight for item in kept], dtype=torch.float32)
+    if float(weights.sum()) == 0:
+        weights = torch.ones_like(weights)  # nobody accumulated samples: a plain mean, not a division by zero
+    if policy.rule == "trimmed-mean":
+        result = _trimmed_mean(values, weights, policy.trim_fraction)
+    elif policy.rule == "centered-clip":
+        result = _centered_clip(values, weights)
+    else:
+        result = (values * weights[:, None]).sum(0) / weights.sum()
+    return result.reshape(shape).to(dtype)
+
+
+def _trimmed_mean(values: torch.Tensor, weights: torch.Tensor, trim_fraction: float) -> torch.Tensor:
+    """Per coordinate: leave out the `trim` largest and smallest values, weighted mean of the rest."""
+    count = values.shape[0]
+    trim = min(int(count * trim_fraction), (count - 1) // 2)
+    if trim == 0:
+        return (values * weights[:, None]).sum(0) / weights.sum()
+    ordered, order = values.sort(dim=0)
+    ordered_weights = weights[order]
+    middle = slice(trim, count - trim)
+    middle_weights = ordered_weights[middle]
+    total = middle_weights.sum(0)
+    plain = ordered[middle].mean(0)  # where every kept weight is zero
+    weighted = (ordered[middle] * middle_weights).sum(0) / total.clamp_min(1e-30)
+    return torch.where(total > 0, weighted, plain)
+
+
+def _centered_clip(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """CenteredClip from the coordinate-wise median: each step moves the center by the weighted mean of the
+    contributions' offsets, each offset clipped to the median offset length (so no sender moves it far)."""
+    center = values.median(dim=0).values
+    shares = weights / weights.sum()
+    for _ in range(CENTERED_CLIP_ITERATIONS):
+        offsets = values - center
+        lengths = offsets.norm(dim=1)
+        radius = lengths.median()
+        if float(radius) == 0:
+            break
+        scale = torch.clamp(radius / lengths.clamp_min(1e-30), max=1.0)
+        center = center + (offsets * (shares * scale)[:, None]).sum(0)
+    return center
+
+
+def _describe(drops: Sequence[Drop]) -> str:
+    return "; ".join(f"sender {drop.sender}: {drop.reason}" for drop in drops)

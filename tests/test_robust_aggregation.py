@@ -1,0 +1,138 @@
+"""Robust aggregation (what a reducer keeps and how it combines it) and the exclusion book."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from averaging.exclusion import ExclusionBook, ExclusionRule
+from averaging.robust import Contribution, NothingToAggregate, RobustPolicy, aggregate
+from averaging.robust_allreduce import Verdict
+
+POLICY = RobustPolicy()
+
+
+def honest_parts(count: int, size: int = 1000, seed: int = 0):
+    """Gradients of one signal plus per-peer noise: pairwise cosine about 0.5, like bytelm-tiny's mid-run."""
+    generator = torch.Generator().manual_seed(seed)
+    signal = torch.randn(size, generator=generator)
+    return [signal + torch.randn(size, generator=generator) for _ in range(count)]
+
+
+def contributions(parts, weights=None):
+    weights = weights or [1.0] * len(parts)
+    return [Contribution(index, part, weight) for index, (part, weight) in enumerate(zip(parts, weights))]
+
+
+def weighted_mean(parts, weights):
+    return sum(part * weight for part, weight in zip(parts, weights)) / sum(weights)
+
+
+def test_honest_contributions_give_exactly_the_weighted_mean_and_nothing_is_dropped():
+    parts, weights = honest_parts(4), [1.0, 2.0, 3.0, 4.0]
+    result, drops = aggregate(contributions(parts, weights), POLICY)
+    assert drops == []
+    assert torch.allclose(result, weighted_mean(parts, weights), atol=1e-6)
+
+
+@pytest.mark.parametrize("attack, reason", [
+    (lambda part: part * float("nan"), "non-finite"),
+    (lambda part: part * float("inf"), "non-finite"),
+    (lambda part: part * 1e4, "norm"),
+    (lambda part: part * -1, "direction"),
+])
+def test_a_malicious_contribution_is_dropped_and_the_others_are_averaged_without_it(attack, reason):
+    parts = honest_parts(4)
+    parts[2] = attack(parts[2])
+    result, drops = aggregate(contributions(parts), POLICY)
+    assert [(drop.sender, drop.reason) for drop in drops] == [(2, reason)]
+    assert torch.allclose(result, weighted_mean([parts[0], parts[1], parts[3]], [1, 1, 1]), atol=1e-6)
+
+
+def test_a_bad_weight_is_dropped():
+    parts = honest_parts(3)
+    result, drops = aggregate(contributions(parts, [1.0, float("inf"), 1.0]), POLICY)
+    assert [(drop.sender, drop.reason) for drop in drops] == [(1, "weight")]
+    assert torch.allclose(result, (parts[0] + parts[2]) / 2, atol=1e-6)
+
+
+def test_two_senders_cannot_outvote_each_other_so_only_non_finite_values_are_dropped():
+    honest, scaled = honest_parts(2)
+    result, drops = aggregate(contributions([honest, scaled * 1e4]), POLICY)
+    assert drops == []  # who of two is the liar cannot be told from their values
+    _, drops = aggregate(contributions([honest, scaled * float("nan")]), POLICY)
+    assert [drop.reason for drop in drops] == ["non-finite"]
+
+
+def test_excluded_senders_are_left_out_without_a_new_offence():
+    parts = honest_parts(3)
+    result, drops = aggregate(contributions(parts), POLICY, excluded=[0])
+    assert [(drop.sender, drop.reason, drop.is_offence) for drop in drops] == [(0, "excluded", False)]
+    assert torch.allclose(result, (parts[1] + parts[2]) / 2, atol=1e-6)
+
+
+def test_all_contributions_dropped_is_an_error_not_a_nan_result():
+    parts = [part * float("nan") for part in honest_parts(2)]
+    with pytest.raises(NothingToAggregate, match="all 2 contributions were dropped"):
+        aggregate(contributions(parts), POLICY)
+
+
+def test_all_zero_parts_are_kept_and_averaged_to_zero():
+    zeros = [torch.zeros(10) for _ in range(4)]
+    result, drops = aggregate(contributions(zeros, [0.0] * 4), POLICY)
+    assert drops == [] and torch.equal(result, torch.zeros(10))
+
+
+def test_direction_check_can_be_turned_off():
+    parts = honest_parts(4)
+    parts[0] = -parts[0]
+    _, drops = aggregate(contributions(parts), RobustPolicy(min_cosine=-1.0))
+    assert drops == []
+
+
+@pytest.mark.parametrize("rule", ["trimmed-mean", "centered-clip"])
+def test_robust_rules_stay_near_the_honest_mean_where_a_mean_would_not(rule):
+    # a moderate liar (3x, reversed) passes the norm check; the mean moves, the robust rules much less
+    parts = honest_parts(5, seed=3)
+    honest_mean = weighted_mean(parts[1:], [1] * 4)
+    parts[0] = -3 * parts[0]
+    policy = RobustPolicy(min_cosine=-1.0, rule=rule)
+    robust, _ = aggregate(contributions(parts), policy)
+    plain, _ = aggregate(contributions(parts), RobustPolicy(min_cosine=-1.0))
+    assert (robust - honest_mean).norm() < 0.6 * (plain - honest_mean).norm()
+
+
+def test_trimmed_mean_of_identical_parts_is_that_part():
+    part = torch.randn(50)
+    result, _ = aggregate(contributions([part.clone() for _ in range(5)]), RobustPolicy(rule="trimmed-mean"))
+    assert torch.allclose(result, part, atol=1e-6)
+
+
+def verdicts(peer: str, offences):
+    return [Verdict(peer, f"round{index}", offence) for index, offence in enumerate(offences)]
+
+
+def test_a_peer_is_excluded_once_threshold_offences_fall_within_the_window():
+    book = ExclusionBook(ExclusionRule(threshold=3, window=5))
+    assert book.record(verdicts("bad", ["norm", "", "norm"])) == []
+    excluded = book.record(verdicts("bad", ["direction"]))
+    assert [peer for peer, _ in excluded] == ["bad"]
+    assert "3 of its last 4 judged rounds" in excluded[0][1] and "direction, norm" in excluded[0][1]
+    assert book.excluded == ["bad"]
+    assert book.record(verdicts("bad", ["norm"] * 5)) == []  # logged once
+
+
+def test_rare_or_transient_offences_never_exclude():
+    book = ExclusionBook(ExclusionRule(threshold=3, window=5))
+    offences = (["non-finite"] + [""] * 4) * 10  # one transient NaN every five rounds, for fifty rounds
+    assert book.record(verdicts("honest", offences)) == []
+    assert book.excluded == []
+
+
+def test_exclusion_with_a_cool_off_ends():
+    now = [0.0]
+    book = ExclusionBook(ExclusionRule(threshold=1, window=1, seconds=30.0), clock=lambda: now[0])
+    book.record(verdicts("bad", ["norm"]))
+    now[0] = 29.0
+    assert book.expire() == [] and book.excluded == ["bad"]
+    now[0] = 30.0
+    assert book.expire() == ["bad"] and book.excluded == []

@@ -1,0 +1,98 @@
+"""Robust reducers and exclusion inside hivemind's all-reduce: real averagers on 127.0.0.1 in this process."""
+from __future__ import annotations
+
+import contextlib
+from typing import List
+
+import hivemind
+import pytest
+import torch
+
+from averaging import hivemind_compat
+from averaging.robust import RobustPolicy
+from averaging.robust_allreduce import Defence, building
+from tests.test_averaging_inprocess import run_in_threads, start_dhts
+
+PEERS = 4
+SIZE = PEERS * 2**17  # hivemind splits in parts of 2**17 float32 values: one part for each reducer
+
+
+def honest_values(seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.ones(SIZE) + 0.5 * torch.randn(SIZE, generator=generator)
+
+
+@contextlib.contextmanager
+def averagers(values: List[torch.Tensor], defences: List[Defence]):
+    hivemind_compat.install()
+    dhts = start_dhts(len(values))
+    built = []
+    try:
+        for dht, tensor, defence in zip(dhts, values, defences):
+            with building(defence):
+                built.append(hivemind.averaging.DecentralizedAverager(
+                    [tensor], dht, prefix="robust_test", target_group_size=len(values), min_group_size=2,
+                    min_matchmaking_time=2.0, request_timeout=1.0, start=True,
+                ))
+        yield built
+    finally:
+        for averager in built:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+        for defence in defences:
+            defence.close()
+
+
+def average_all(group: List, timeout: float = 30.0) -> List:
+    """Every averager steps at once; each result is what step() returned or the exception it raised."""
+    results = [None] * len(group)
+
+    def step(index):
+        def run():
+            try:
+                results[index] = group[index].step(timeout=timeout)
+            except hivemind.averaging.allreduce.AllreduceException as e:  # e.g. nobody would group with it
+                results[index] = e
+        return run
+
+    run_in_threads(*(step(index) for index in range(len(group))), timeout=timeout + 15)
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_honest_averagers_leave_a_scaled_contribution_out_report_it_and_refuse_the_sender_once_excluded():
+    honest = [honest_values(seed) for seed in range(PEERS - 1)]
+    values = [tensor.clone() for tensor in honest] + [honest_values(99) * 1e4]
+    defences = [Defence(RobustPolicy()) for _ in range(PEERS)]
+    with averagers(values, defences) as group:
+        assert all(isinstance(result, dict) for result in average_all(group))
+        honest_mean = sum(honest) / len(honest)
+        with group[0].get_tensors() as first:
+            averaged = first[0].clone()
+        assert torch.allclose(averaged, honest_mean, atol=1e-4)
+        for averager in group[1:PEERS - 1]:
+            with averager.get_tensors() as tensors:
+                assert torch.allclose(tensors[0], averaged, atol=1e-4)
+
+        attacker = group[-1].peer_id.to_base58()
+        for defence in defences[:PEERS - 1]:
+            offences = {verdict.peer: verdict.offence for verdict in defence.take_verdicts(timeout=10.0)}
+            assert offences.get(attacker) == "norm", offences
+            assert all(offence == "" for peer, offence in offences.items() if peer != attacker), offences
+        own = defences[-1].take_verdicts(timeout=10.0)
+        assert attacker not in {verdict.peer for verdict in own}  # a peer never accuses itself
+
+        for defence in defences[:PEERS - 1]:
+            defence.set_excluded([attacker])
+        for averager, tensor in zip(group, [*honest, None]):
+            if tensor is not None:
+                with averager.get_tensors() as tensors:
+                    tensors[0].copy_(tensor)
+        results = average_all(group, timeout=10.0)
+        honest_peers = {averager.peer_id for averager in group[:PEERS - 1]}
+        for gathered in results[:PEERS - 1]:
+            assert set(gathered) == honest_peers  # the attacker was not in the group
+        assert isinstance(results[-1], Exception)  # alone, it found no group
+        with group[0].get_tensors() as tensors:
+            assert torch.allclose(tensors[0], honest_mean, atol=1e-4)
