@@ -97,16 +97,27 @@ def make_diverging_task() -> Task:
     return dataclasses.replace(base, build_optimizer=lambda params: torch.optim.SGD(params, lr=1e30))
 
 
-class _NaNGradient(torch.autograd.Function):
-    """Identity forward, NaN backward: a finite loss whose gradients are poisoned."""
+class _ScaledGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `factor` (NaN poisons it)."""
 
     @staticmethod
-    def forward(ctx, loss):
+    def forward(ctx, loss, factor: float):
+        ctx.factor = factor
         return loss.view_as(loss)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * float("nan")
+        return grad * ctx.factor, None
+
+
+def _send_unguarded_gradients() -> None:
+    """This process's optimizer sends its gradients as they are: without the guard that drops a batch whose
+    gradients hold NaN or Inf, as a malicious peer's would."""
+    import hivemind
+
+    from averaging.sync import SyncOptimizer
+
+    SyncOptimizer._check_and_accumulate_gradients = hivemind.Optimizer._check_and_accumulate_gradients
 
 
 def make_nan_gradients_task() -> Task:
@@ -116,8 +127,6 @@ def make_nan_gradients_task() -> Task:
     "Every other checked batch": hivemind discards a batch without checking it when the peer is out of sync,
     so alternating on calls alone can land every poisoned batch on a discarded step and test nothing."""
     import dataclasses
-
-    import hivemind
 
     from averaging.sync import SyncOptimizer
     from peer.tasks import load_task
@@ -129,10 +138,11 @@ def make_nan_gradients_task() -> Task:
     def poisoned_loss(model, batch):
         loss = base.loss_fn(model, batch)
         state["poison_this_batch"] = mode == "send" or not state["last_checked_was_poisoned"]
-        return _NaNGradient.apply(loss) if state["poison_this_batch"] else loss
+        return _ScaledGradient.apply(loss, float("nan")) if state["poison_this_batch"] else loss
 
-    guarded_check = SyncOptimizer._check_and_accumulate_gradients
-    check = hivemind.Optimizer._check_and_accumulate_gradients if mode == "send" else guarded_check
+    if mode == "send":
+        _send_unguarded_gradients()
+    check = SyncOptimizer._check_and_accumulate_gradients
 
     def recording_check(self, batch_size, grad_scaler):
         state["last_checked_was_poisoned"] = state["poison_this_batch"]
@@ -140,6 +150,21 @@ def make_nan_gradients_task() -> Task:
 
     SyncOptimizer._check_and_accumulate_gradients = recording_check
     return dataclasses.replace(base, loss_fn=poisoned_loss)
+
+
+def make_malicious_task() -> Task:
+    """bytelm-tiny on a peer that sends every gradient multiplied by ATTACK_FACTOR: 1e4 (finite, far too
+    large), -1 (sign-flipped: as large as an honest one, pointing the other way) or nan (sent unguarded)."""
+    import dataclasses
+
+    from peer.tasks import load_task
+
+    factor = float(os.environ.get("ATTACK_FACTOR", "-1"))
+    base = load_task("bytelm-tiny")
+    if factor != factor:
+        _send_unguarded_gradients()
+    return dataclasses.replace(base, loss_fn=lambda model, batch: _ScaledGradient.apply(base.loss_fn(model, batch),
+                                                                                         factor))
 
 
 class _StallOnPass(Dataset):
