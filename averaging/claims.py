@@ -15,6 +15,13 @@ reads the records, ClaimFilter drops those that cannot be true:
   own. After a state download, the epoch actually served becomes the reference, so a claim that
   made a newcomer download costs one download, not a loop.
 
+Clocks: when most other peers' records look written more than max_clock_skew_seconds away from our
+clock, it is this peer's clock that is wrong: it says so (once), judges records by the swarm's time,
+and the others do not believe its records, so it cannot drive the swarm's epochs. (A clock ahead by
+more than the records' lifetime sees no record at all: the others still refuse its records.)
+Records of peers this peer has excluded (averaging/exclusion.py) are not believed either: an excluded
+peer's samples were never averaged, so they must not count toward the target.
+
 The owner of an absurd record is ignored for the rest of the run; an epoch beyond the bound is only
 not believed for now (an honest peer that trained alone for a while becomes believable as time
 passes at its own rate). Both are logged once per owner. This peer's own record is always believed.
@@ -28,7 +35,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, Mapping, Optional, Set
+import statistics
+from typing import Callable, Collection, Dict, Mapping, Optional, Set
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +49,10 @@ EPOCH_LEAD = 2
 
 class ClaimFilter:
     def __init__(self, own_owner: bytes, target_batch_size: int, max_ttl_seconds: float,
-                 max_clock_skew_seconds: float = 60.0):
-        self.own_owner, self.target_batch_size = own_owner, target_batch_size
+                 max_clock_skew_seconds: float = 60.0, excluded: Callable[[], Collection[bytes]] = frozenset):
+        """:param excluded: the peer ids (bytes) this peer has excluded, asked afresh at each fetch"""
+        self.own_owner, self.target_batch_size, self.excluded = own_owner, target_batch_size, excluded
+        self.clock_offset = 0.0  # the swarm's clock minus ours, when ours is found wrong
         self.max_ttl_seconds, self.max_clock_skew_seconds = max_ttl_seconds, max_clock_skew_seconds
         self.ignored: Set[bytes] = set()  # owners of absurd records: never believed again
         self._doubted: Set[bytes] = set()  # owners whose epoch was beyond the bound once (logged once)
@@ -56,13 +66,16 @@ class ClaimFilter:
         """
         if local_epoch >= 1:  # a fresh peer's epoch 0 says nothing about where the swarm is
             self._advance_reference(local_epoch, now)
+        self._check_own_clock(metadata, now)
+        now += self.clock_offset
+        excluded = self.excluded()
         kept = {}
         for owner, entry in metadata.items():
             value = getattr(entry, "value", None)
             if owner == self.own_owner or value is None:
                 kept[owner] = entry
                 continue
-            if owner in self.ignored:
+            if owner in self.ignored or _get(entry, "peer_id") in excluded:
                 continue
             absurd = self._absurd(value, getattr(entry, "expiration_time", now), now)
             if absurd is not None:
@@ -80,6 +93,23 @@ class ClaimFilter:
             kept[owner] = entry
         self._remember(kept, now)
         return kept
+
+    def _check_own_clock(self, metadata: Mapping[bytes, object], now: float) -> None:
+        """With three or more other records, most written beyond the skew from our clock: ours is wrong."""
+        offsets = [_number(entry.value, "time") - now for owner, entry in metadata.items()
+                   if owner != self.own_owner and _get(entry, "time") is not None]
+        if len(offsets) < 3:
+            return
+        offset = statistics.median(offsets)
+        wrong = abs(offset) > self.max_clock_skew_seconds
+        if wrong and not self.clock_offset:
+            logger.warning(f"this peer's clock is about {abs(offset):.0f}s {'behind' if offset > 0 else 'ahead of'} "
+                           f"the swarm's (the median of {len(offsets)} peers' progress records): matchmaking and "
+                           f"progress use wall-clock time, so its records are not believed; set this machine's "
+                           f"clock right (e.g. enable NTP: timedatectl set-ntp true)")
+        elif not wrong and self.clock_offset:
+            logger.info("this peer's clock agrees with the swarm's again")
+        self.clock_offset = offset if wrong else 0.0
 
     def served(self, epoch: int, now: float) -> None:
         """A state download brought this peer to `epoch`: that is what the swarm can really serve."""

@@ -96,7 +96,8 @@ class DiLoCoOptimizer:
             dht=dht, prefix=keys.namespace, target_batch_size=config.target_batch_size, client_mode=self.client_mode,
             start=True, **dict(tracker_opts, private_key=self.signing_key),
         )
-        progress.believe_plausible_claims(self.tracker, self.signing_key, matchmaking_floor)
+        progress.believe_plausible_claims(self.tracker, self.signing_key, matchmaking_floor,
+                                          excluded=self.rounds.excluded_peer_ids)
         self.state_averager = GuardedStateAverager(
             dht=dht,
             prefix=keys.diloco_state,

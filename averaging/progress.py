@@ -8,7 +8,7 @@ invisible to each other), and makes it believe only plausible records (averaging
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Collection, Optional
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.optim.progress_tracker import ProgressTracker
@@ -46,7 +46,8 @@ def announce(tracker: ProgressTracker, key: RSAPrivateKey) -> None:
                       expiration_time=get_dht_time() + tracker.metadata_expiration)
 
 
-def believe_plausible_claims(tracker: ProgressTracker, key: RSAPrivateKey, matchmaking_seconds: float) -> None:
+def believe_plausible_claims(tracker: ProgressTracker, key: RSAPrivateKey, matchmaking_seconds: float,
+                             excluded: Callable[[], Collection[bytes]] = frozenset) -> None:
     """From its next fetch on, the tracker reads only the records a ClaimFilter believes (never its own).
 
     A clock more than the matchmaking window (at least MIN_CLOCK_SKEW_SECONDS) ahead of ours is wrong for
@@ -54,7 +55,8 @@ def believe_plausible_claims(tracker: ProgressTracker, key: RSAPrivateKey, match
     """
     skew = max(MIN_CLOCK_SKEW_SECONDS, matchmaking_seconds)
     tracker.claims = ClaimFilter(RSASignatureValidator(key).local_public_key, tracker.target_batch_size,
-                                 max_ttl_seconds=tracker.metadata_expiration + skew, max_clock_skew_seconds=skew)
+                                 max_ttl_seconds=tracker.metadata_expiration + skew, max_clock_skew_seconds=skew,
+                                 excluded=excluded)
 
 
 def served(tracker: ProgressTracker, epoch: int, refresh_timeout_seconds: float = 2.0) -> None:

@@ -44,6 +44,12 @@ class RoundKeeper:
         self._failed_downloads, self._next_download_at = 0, float("-inf")
         self.clock = time.monotonic
 
+    def excluded_peer_ids(self) -> frozenset:
+        """The peers excluded so far, as peer id bytes (as in their progress records)."""
+        if self.exclusion is None:
+            return frozenset()
+        return frozenset(peer.to_bytes() for peer in self.exclusion.defence.excluded())
+
     def close(self) -> None:
         """After the averagers have stopped."""
         if self.exclusion is not None:

@@ -58,7 +58,8 @@ class SyncOptimizer(hivemind.Optimizer):
                 f"client_mode={requested_client_mode} conflicts with the DHT's client_mode={self.client_mode}; "
                 f"start the DHT with the same client mode"
             )
-        progress.believe_plausible_claims(self.tracker, signing_key, self.matchmaking_time)
+        progress.believe_plausible_claims(self.tracker, signing_key, self.matchmaking_time,
+                                          excluded=self.rounds.excluded_peer_ids)
         if rounds.deadlines.auto:
             self._apply_deadlines(rounds.deadlines.current)
 

@@ -113,3 +113,26 @@ def test_failed_downloads_back_off_and_a_successful_one_resets():
     clock.now += 60.0
     assert rounds.download_allowed()
 
+
+
+def test_records_of_excluded_peers_are_not_believed():
+    excluded = set()
+    believed = ClaimFilter(ME, TARGET, max_ttl_seconds=40.0, max_clock_skew_seconds=5.0, excluded=lambda: excluded)
+    records = {ME: entry(3), HONEST: entry(3), LIAR: entry(3)}
+    records[LIAR].value["peer_id"] = b"liar-peer"
+    assert set(believed.filter(records, NOW)) == {ME, HONEST, LIAR}
+    excluded.add(b"liar-peer")
+    assert set(believed.filter(records, NOW + 1)) == {ME, HONEST}
+
+
+def test_a_peer_whose_own_clock_is_wrong_says_so_and_blames_nobody(caplog):
+    believed = claims()
+    hour = 3600.0
+    swarm = {ME: entry(3), **{bytes([n]): entry(3, written=NOW + hour, expires=NOW + hour + 30) for n in range(3)}}
+    with caplog.at_level("WARNING"):
+        kept = believed.filter(swarm, NOW)  # our clock is an hour behind theirs
+    assert set(kept) == set(swarm) and believed.ignored == set()
+    assert "this peer's clock is about 3600s behind the swarm's" in caplog.text
+    assert believed.clock_offset == hour
+    in_sync = {ME: entry(3), **{bytes([n]): entry(3) for n in range(3)}}
+    assert set(believed.filter(in_sync, NOW + 1)) == set(in_sync) and believed.clock_offset == 0.0
