@@ -15,10 +15,12 @@ reads the records, ClaimFilter drops those that cannot be true:
   own. After a state download, the epoch actually served becomes the reference, so a claim that
   made a newcomer download costs one download, not a loop.
 
-Clocks: when most other peers' records look written more than max_clock_skew_seconds away from our
-clock, it is this peer's clock that is wrong: it says so (once), judges records by the swarm's time,
-and the others do not believe its records, so it cannot drive the swarm's epochs. (A clock ahead by
-more than the records' lifetime sees no record at all: the others still refuse its records.)
+Clocks: a record's expiry is its writer's clock plus the record lifetime, so when most other peers'
+records expire further ahead than any record could, it is this peer's clock that is behind: it says so
+(once), judges records by the swarm's time instead of ignoring every peer, and the others do not believe
+its records, so it cannot drive the swarm's epochs. A clock ahead of the swarm's by more than the
+matchmaking window writes records the others refuse ("written in the future"); it sees few or none of
+theirs (they look expired to it), which its own log shows as a swarm of one.
 Records of peers this peer has excluded (averaging/exclusion.py) are not believed either: an excluded
 peer's samples were never averaged, so they must not count toward the target.
 
@@ -95,21 +97,21 @@ class ClaimFilter:
         return kept
 
     def _check_own_clock(self, metadata: Mapping[bytes, object], now: float) -> None:
-        """With three or more other records, most written beyond the skew from our clock: ours is wrong."""
-        offsets = [_number(entry.value, "time") - now for owner, entry in metadata.items()
-                   if owner != self.own_owner and _get(entry, "time") is not None]
-        if len(offsets) < 3:
+        """Most other records (two or more) expiring beyond the longest lifetime a record can have: our clock
+        is behind theirs by about how far beyond."""
+        ahead = [getattr(entry, "expiration_time", now) - now for owner, entry in metadata.items()
+                 if owner != self.own_owner and getattr(entry, "value", None) is not None]
+        if len(ahead) < 2:
             return
-        offset = statistics.median(offsets)
-        wrong = abs(offset) > self.max_clock_skew_seconds
-        if wrong and not self.clock_offset:
-            logger.warning(f"this peer's clock is about {abs(offset):.0f}s {'behind' if offset > 0 else 'ahead of'} "
-                           f"the swarm's (the median of {len(offsets)} peers' progress records): matchmaking and "
-                           f"progress use wall-clock time, so its records are not believed; set this machine's "
-                           f"clock right (e.g. enable NTP: timedatectl set-ntp true)")
-        elif not wrong and self.clock_offset:
+        behind = statistics.median(ahead) - self.max_ttl_seconds
+        if behind > 0 and not self.clock_offset:
+            logger.warning(f"this peer's clock is at least {behind:.0f}s behind the swarm's (the median of "
+                           f"{len(ahead)} peers' progress records): matchmaking and progress use wall-clock time, "
+                           f"so the others do not believe this peer's records; set this machine's clock right "
+                           f"(e.g. enable NTP: timedatectl set-ntp true)")
+        elif behind <= 0 and self.clock_offset:
             logger.info("this peer's clock agrees with the swarm's again")
-        self.clock_offset = offset if wrong else 0.0
+        self.clock_offset = behind + self.max_clock_skew_seconds if behind > 0 else 0.0
 
     def served(self, epoch: int, now: float) -> None:
         """A state download brought this peer to `epoch`: that is what the swarm can really serve."""

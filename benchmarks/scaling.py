@@ -81,15 +81,19 @@ def stop_all(peers: List["Peer"]) -> List[Optional[int]]:
 class Peer:
     """One `peer start` subprocess whose output lines are read, with their arrival time, as they come."""
 
-    def __init__(self, index: int, args: List[str], cpus: Optional[List[int]], threads: int, log_dir: Path):
+    def __init__(self, index: int, args: List[str], cpus: Optional[List[int]], threads: int, log_dir: Path,
+                 env: Optional[Dict[str, str]] = None, marks: Optional[Dict[str, "re.Pattern"]] = None):
+        """:param marks: name -> pattern; `marked[name]` is when a line first matched it"""
         self.index = index
+        self.marks, self.marked = marks or {}, {}
         self.log_path = log_dir / f"peer-{index}.log"
         self._log = open(self.log_path, "w")
         prefix = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
         self.process = subprocess.Popen([*prefix, sys.executable, "-m", "peer", "start", *args],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         text=True, bufsize=1, cwd=log_dir,
-                                        env=common.child_env(OMP_NUM_THREADS=str(threads)), start_new_session=True)
+                                        env=common.child_env(OMP_NUM_THREADS=str(threads), **(env or {})),
+                                        start_new_session=True)
         self.launched = time.monotonic()
         self.joined_at: Optional[float] = None
         self.join_address: Optional[str] = None
@@ -101,12 +105,16 @@ class Peer:
         for line in self.process.stdout:
             now = time.monotonic()
             self._log.write(line)
+            self._log.flush()  # the log must be whole even if this benchmark exits before the peer
             with self.changed:
                 if self.join_address is None and (match := JOIN_LINE.search(line)):
                     self.join_address, self.joined_at = match.group(1), now
                 elif match := EPOCH_LINE.search(line):
                     value = match.group(2)
                     self.epochs.append((now, int(match.group(1)), float(value) if value != "n/a" else None))
+                for name, pattern in self.marks.items():
+                    if name not in self.marked and pattern.search(line):
+                        self.marked[name] = now
                 self.changed.notify_all()
         self._log.flush()
 
