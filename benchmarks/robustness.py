@@ -16,6 +16,8 @@ The honest peers' epoch lines are read as they come. Reported per run:
   attacker (for ``none``: the whole window again);
 - ``seconds_to_exclusion``: from the moment all four processes were up to each honest peer's
   "excluding peer" line (null where a peer never excluded it);
+- ``wrongly_excluded``: how many times an honest peer excluded a peer other than the attacker (for
+  ``none``: any exclusion at all): false positives of the drop rules;
 - ``ratio`` and ``ratio_after_exclusion``: the rates over the same repeat's ``none`` run.
 
 Runs are interleaved (none, nan, scaled, flipped, then reversed), and the issue's goal is a ratio of
@@ -52,7 +54,8 @@ from benchmarks.scaling import Peer, stop_all
 NAME = "robustness"
 MALICIOUS_TASK = "tests.tasks_for_tests:make_malicious_task"
 ATTACK_FACTORS = {"nan": "nan", "scaled-1e4": "1e4", "sign-flipped": "-1"}
-EXCLUDING = re.compile(r"excluding peer ")
+EXCLUDING = re.compile(r"excluding peer (\S+)")
+PEER_ID = re.compile(r"peer id (\S+);")
 HONEST_PEERS = 3
 
 
@@ -88,6 +91,11 @@ def _wait_joined(peer: Peer, deadline: float) -> None:
         raise RuntimeError(f"peer {peer.index} did not start; log tail:\n{peer.tail()}")
 
 
+def _first(pattern: "re.Pattern", peer: Peer) -> Optional[str]:
+    match = pattern.search(peer.tail(10**8))
+    return match.group(1) if match else None
+
+
 def epochs_per_minute(peer: Peer, since: float, until: float) -> Optional[float]:
     """The rate of the peer's epoch lines between two moments (None with fewer than two lines)."""
     with peer.changed:
@@ -121,6 +129,8 @@ def measure(run: common.Run, attack: str, repeat: int, settings: dict, base: Lis
     finally:
         row["exit_codes"] = stop_all(peers)
     honest = peers[:HONEST_PEERS]
+    attacker_id = None if attack == "none" else _first(PEER_ID, peers[HONEST_PEERS])
+    excluded_ids = [match for peer in honest for match in EXCLUDING.findall(peer.tail(10**8))]
     excluded_at = [peer.marked.get("excluded") for peer in honest]
     after = ready if attack == "none" else (max(excluded_at) if all(excluded_at) else None)
     row.update(
@@ -128,6 +138,7 @@ def measure(run: common.Run, attack: str, repeat: int, settings: dict, base: Lis
         epochs_per_minute=median(epochs_per_minute(peer, ready, end) for peer in honest),
         epochs_per_minute_after_exclusion=(median(epochs_per_minute(peer, after, end) for peer in honest)
                                            if after is not None else None),
+        wrongly_excluded=sum(peer_id != attacker_id for peer_id in excluded_ids),
         seconds_to_exclusion=None if attack == "none" else [
             round(at - ready, 1) if at is not None else None for at in excluded_at],
     )
@@ -177,6 +188,7 @@ def main(argv=None) -> int:
         summary[attack] = {
             "ratio": median(row.get("ratio") for row in mine),
             "ratio_after_exclusion": median(row.get("ratio_after_exclusion") for row in mine),
+            "wrongly_excluded": sum(row.get("wrongly_excluded") or 0 for row in mine),
             "seconds_to_exclusion": median(seconds for row in mine for seconds in row.get("seconds_to_exclusion")
                                            or ()),
         }
@@ -187,7 +199,8 @@ def main(argv=None) -> int:
     results = {**settings, "runs": rows, "summary": summary, "goal": {"ratio_after_exclusion_min": 0.8}}
     line = f"{NAME} (bytelm-tiny, 3 honest peers + 1): " + "; ".join(
         f"{attack} {common.fmt_ratio(values['ratio'])} ({common.fmt_ratio(values['ratio_after_exclusion'])} after "
-        f"exclusion at {values['seconds_to_exclusion']} s)" for attack, values in summary.items() if attack != "none")
+        f"exclusion at {values['seconds_to_exclusion']} s)" for attack, values in summary.items() if attack != "none"
+    ) + f"; honest peers excluded wrongly {sum(values['wrongly_excluded'] for values in summary.values())} times"
     run.finish(results, line)
     return 0
 

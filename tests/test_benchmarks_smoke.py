@@ -126,3 +126,14 @@ def test_scaling_smoke(tmp_path: Path):
     for row in results["scaling"]:
         assert {"reached", "cpu_sets", "oversubscribed", "exit_codes", "epoch"} <= row.keys()
     assert results["hiding"]["skipped"] in (True, False)
+
+
+@pytest.mark.timeout(150)
+def test_robustness_smoke(tmp_path: Path):
+    results, _ = run_benchmark("robustness", tmp_path, "--seconds", "12", timeout=140.0)
+    assert {"task", "target_batch_size", "seconds_per_run", "repeats", "runs", "summary", "goal"} <= results.keys()
+    assert [row["attack"] for row in results["runs"]] == ["none", "scaled-1e4"]
+    for row in results["runs"]:
+        assert {"epochs", "epochs_per_minute", "epochs_per_minute_after_exclusion", "seconds_to_exclusion",
+                "wrongly_excluded", "ratio", "ratio_after_exclusion", "exit_codes"} <= row.keys()
+    assert set(results["summary"]) == {"none", "scaled-1e4"}

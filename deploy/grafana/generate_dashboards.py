@@ -271,6 +271,14 @@ def peer_detail() -> Dict:
                        target(f"peer_gpu_memory_allocated_bytes{{{one}}}", "allocated"),
                        target(f"peer_gpu_memory_peak_bytes{{{one}}}", "peak"),
                    ], unit="bytes"),
+        timeseries("Untrusted peers and disk", "Other peers' contributions this peer's reducers dropped (by reason: "
+                   "NaN/Inf, norm or direction far out, bad weight), peers it excluded, and checkpoints it could "
+                   "not write (full, read-only or missing disk; it kept training).", [
+                       target(f"sum by (reason) (increase(peer_dropped_contributions_total{{{one}}}[{RATE}]))",
+                              "dropped: {{reason}}"),
+                       target(f"increase(peer_exclusions_total{{{one}}}[{RATE}])", "peers excluded"),
+                       target(f"increase(peer_checkpoint_failures_total{{{one}}}[{RATE}])", "checkpoint failures"),
+                   ]),
         table("Peer info", "Software version, device, averaging strategy and compression.",
               [target(f"peer_info{{{one}}}", instant=True)],
               [hide_columns("Time", "Value", "__name__", "job")]),
