@@ -11,8 +11,10 @@ reads the records, ClaimFilter drops those that cannot be true:
 - epochs the swarm cannot have reached: once this peer has seen another peer's epoch, or has trained
   through an epoch itself, the swarm's epoch can only grow as fast as it accumulates samples. A record
   claiming more than reference epoch + EPOCH_LEAD + (time since the swarm reached it x rates x RATE_MARGIN / target)
-  is not believed, where the rates are those of the records believed last time plus the claimant's
-  own. After a state download, the epoch actually served becomes the reference, so a claim that
+  is not believed, where the rates are the highest total of believed records' rates in the last minute
+  plus the claimant's own (records written while a peer waits, or at start-up, report low rates: a peer
+  stuck for a few seconds must still believe a swarm that went on at its usual pace). After a state
+  download, the epoch actually served becomes the reference, so a claim that
   made a newcomer download costs one download, not a loop.
 
 Clocks: a record's expiry is its writer's clock plus the record lifetime, so when most other peers'
@@ -38,15 +40,17 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-from typing import Callable, Collection, Dict, Mapping, Optional, Set
+from collections import deque
+from typing import Callable, Collection, Deque, Dict, Mapping, Optional, Set, Tuple
 
 logger = logging.getLogger(__name__)
 
 MAX_SAMPLES_PER_SECOND = 1e6
 MAX_TARGETS_OF_SAMPLES = 16
 RATE_MARGIN = 3.0
-EPOCH_LEAD = 2
-"""Epochs a claim may lead by beyond the measured rate: rates are averages, and an epoch can end early."""
+EPOCH_LEAD = 8
+"""Epochs a claim may lead by beyond the measured rate: rates are averages, and tiny epochs end early."""
+RATE_MEMORY_SECONDS = 60.0
 
 
 class ClaimFilter:
@@ -59,7 +63,7 @@ class ClaimFilter:
         self.ignored: Set[bytes] = set()  # owners of absurd records: never believed again
         self._doubted: Set[bytes] = set()  # owners whose epoch was beyond the bound once (logged once)
         self._reference: Optional[tuple] = None  # (epoch, when the swarm reached it, as far as this peer knows)
-        self._rate = 0.0  # samples per second of the records believed last time
+        self._rates: Deque[Tuple[float, float]] = deque()  # (when, total samples/s of the records believed)
 
     def filter(self, metadata: Mapping[bytes, object], now: float, local_epoch: int = 0) -> Dict[bytes, object]:
         """The entries worth believing, from hivemind's {owner: ValueWithExpiration(progress dict)}.
@@ -138,7 +142,8 @@ class ClaimFilter:
         if self._reference is None:
             return None  # a newcomer has nothing to compare with yet
         epoch, since = self._reference
-        rate = self._rate + min(MAX_SAMPLES_PER_SECOND, max(0.0, claimant_rate))
+        believed = max((rate for _, rate in self._rates), default=0.0)
+        rate = believed + min(MAX_SAMPLES_PER_SECOND, max(0.0, claimant_rate))
         samples = max(0.0, now - since) * rate * RATE_MARGIN
         return epoch + EPOCH_LEAD + math.ceil(samples / max(1, self.target_batch_size))
 
@@ -151,8 +156,10 @@ class ClaimFilter:
                   if owner != self.own_owner and _get(entry, "epoch") is not None]
         if others:
             self._advance_reference(max(int(_number(entry.value, "epoch")) for entry in others), now)
-        self._rate = sum(min(MAX_SAMPLES_PER_SECOND, _number(entry.value, "samples_per_second"))
-                         for entry in kept.values() if _get(entry, "samples_per_second") is not None)
+        self._rates.append((now, sum(min(MAX_SAMPLES_PER_SECOND, _number(entry.value, "samples_per_second"))
+                                     for entry in kept.values() if _get(entry, "samples_per_second") is not None)))
+        while self._rates and self._rates[0][0] < now - RATE_MEMORY_SECONDS:
+            self._rates.popleft()
 
 
 def _get(entry, field: str):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from averaging.api import AveragingHooks
-from averaging.claims import MAX_TARGETS_OF_SAMPLES, ClaimFilter
+from averaging.claims import EPOCH_LEAD, MAX_TARGETS_OF_SAMPLES, ClaimFilter
 from averaging.deadlines import AdaptiveDeadlines
 from averaging.rounds import RoundKeeper
 
@@ -42,12 +42,13 @@ def test_absurd_records_are_dropped_and_their_owner_ignored_for_the_rest_of_the_
 def test_a_newcomer_believes_its_first_look_and_judges_jumps_from_then_on():
     believed = claims()
     assert set(believed.filter({ME: entry(0), HONEST: entry(31)}, NOW)) == {ME, HONEST}  # it is behind, legitimately
-    # 10 s at the believed 50 + 50 samples/s plus the claimant's own 50, x3 margin, 100 per epoch: 31 + 2 + 45
+    # 10 s at the believed 50 + 50 samples/s plus the claimant's own 50, x3 margin, 100 per epoch: 31 + lead + 45
     later = NOW + 10
     kept = believed.filter({ME: entry(0), HONEST: entry(40), LIAR: entry(10**9, written=later)}, later)
     assert set(kept) == {ME, HONEST}
-    # 10 s more from epoch 40, which the swarm reached at `later`: at most 40 + 2 + 45
-    kept = believed.filter({ME: entry(0), HONEST: entry(87), b"hasty": entry(88)}, later + 10)
+    # 10 s more from epoch 40, which the swarm reached at `later`: at most 40 + lead + 45
+    bound = 40 + EPOCH_LEAD + 45
+    kept = believed.filter({ME: entry(0), HONEST: entry(bound), b"hasty": entry(bound + 1)}, later + 10)
     assert set(kept) == {ME, HONEST}
     assert believed.ignored == set()  # only doubted: epochs beyond the bound are not believed for now
 
@@ -56,8 +57,17 @@ def test_a_peer_that_trained_alone_becomes_believable_at_its_own_pace():
     believed = claims()
     believed.filter({ME: entry(0, rate=0.0), HONEST: entry(5, rate=0.0)}, NOW)
     fast = {ME: entry(0, rate=0.0), HONEST: entry(5, rate=0.0), b"alone": entry(60, rate=100.0)}
-    assert set(believed.filter(fast, NOW + 1)) == {ME, HONEST}  # 5 + 2 + 3 at most, one second in
-    assert set(believed.filter(fast, NOW + 20)) == {ME, HONEST, b"alone"}  # 5 + 2 + 60 by now
+    assert set(believed.filter(fast, NOW + 1)) == {ME, HONEST}  # 5 + lead + 3 at most, one second in
+    assert set(believed.filter(fast, NOW + 20)) == {ME, HONEST, b"alone"}  # 5 + lead + 60 by now
+
+
+def test_a_peer_stuck_for_a_while_still_believes_a_swarm_that_went_on_at_its_usual_pace():
+    believed = claims()
+    believed.filter({ME: entry(3), HONEST: entry(3, rate=100.0), b"other": entry(3, rate=100.0)}, NOW)
+    # then a fetch while the others sat between epochs (rate 0 in their records), and this peer is stuck 10 s
+    believed.filter({ME: entry(4, rate=0.0), HONEST: entry(4, rate=0.0), b"other": entry(4, rate=0.0)}, NOW + 1)
+    ahead = {ME: entry(4, rate=0.0), HONEST: entry(60, rate=0.0), b"other": entry(60, rate=0.0)}
+    assert set(believed.filter(ahead, NOW + 11)) == set(ahead)  # 4 + lead + 10 s x 200/s x 3 / 100 = 72
 
 
 def test_a_fresh_peers_own_record_sets_no_reference_but_a_trained_one_does():
