@@ -151,7 +151,7 @@ class AveragingConfig(BaseModel):
         ge=-1,
         le=1,
         description="Drop a contribution whose cosine similarity to the others' coordinate-wise median is below "
-        "this (it points against the swarm, e.g. sign-flipped; needs 3 or more senders); -1 turns this off.",
+        "this (it points against the swarm, e.g. sign-flipped; needs 4 or more senders); -1 turns this off.",
     )
     robust_trim_fraction: float = Field(
         default=0.25, ge=0, lt=0.5, description="trimmed-mean: the fraction cut from each end, per coordinate."

@@ -6,9 +6,10 @@ sender's contribution to that part. Instead of averaging whatever arrives, a red
 1. leaves out peers this peer has excluded (no new offence: they are already excluded);
 2. drops a contribution whose weight is negative or not finite, or whose values hold NaN or Inf;
 3. with at least three finite contributions (fewer cannot outvote anyone), drops one whose L2 norm is
-   more than `norm_ratio` times the median of the others' norms, then one whose cosine similarity to the
-   coordinate-wise median of the others is below `min_cosine` (it points away from the consensus: a sign
-   flip, or noise passed off as a gradient);
+   more than `norm_ratio` times the median of the others' norms; then, with at least four left (the
+   median of two others is no center: honest single-batch gradients were dropped that way), one whose
+   cosine similarity to the coordinate-wise median of the others is below `min_cosine` (it points away
+   from the consensus: a sign flip, or noise passed off as a gradient);
 4. combines what is left with `rule`: the weighted mean (hivemind's own), a coordinate-wise weighted
    trimmed mean, or CenteredClip (Karimireddy et al. 2021, as in BTARD).
 
@@ -25,6 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 RULES = ("mean", "trimmed-mean", "centered-clip")
+MIN_SENDERS_FOR_DIRECTION = 4
 CENTERED_CLIP_ITERATIONS = 5
 
 
@@ -91,12 +93,12 @@ def _drop_outliers(kept: List[Contribution], policy: RobustPolicy) -> Tuple[List
     survivors = []
     for index, item in enumerate(kept):
         others = torch.cat([norms[:index], norms[index + 1:]])
-        typical = float(others.median())
+        typical = float(others.quantile(0.5))  # with two others, their mean (torch's median takes the lower)
         if typical > 0 and float(norms[index]) > policy.norm_ratio * typical:
             drops.append(Drop(item.sender, "norm", f"norm {float(norms[index]):.3g} vs median {typical:.3g}"))
         else:
             survivors.append(item)
-    if policy.min_cosine <= -1.0 or len(survivors) < 3:
+    if policy.min_cosine <= -1.0 or len(survivors) < MIN_SENDERS_FOR_DIRECTION:
         return survivors, drops
     stacked = torch.stack([item.part.flatten().float() for item in survivors])
     kept = []
