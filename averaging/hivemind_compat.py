@@ -306,16 +306,13 @@ def _run_with_defence(self: DecentralizedAverager):
 async def _run_allreduce_inplace_robustly(self: DecentralizedAverager, tensors, group_info: GroupInfo,
                                           group_id=None, **kwargs):
     # upstream's DecentralizedAverager._run_allreduce_inplace_, with a RobustAllReduceRunner when this
-    # averager carries a Defence, and no round at all with an excluded peer in the group
+    # averager carries a Defence. A group that a leader unaware of an exclusion formed with an excluded peer
+    # is not left: this peer's reducers drop what it sends, and a peer that has not excluded it yet gets to
+    # judge it (leaving such groups split the swarm: the unaware peer averaged with the attacker alone).
     defence = robust_allreduce.active
     group_id = group_info.group_id if group_id is None else group_id
     runner_class, extra = AllReduceRunner, {}
     if defence is not None:
-        excluded = [peer for peer in group_info.peer_ids if peer in defence.excluded()]
-        if excluded:
-            raise robust_allreduce.ExcludedPeerInGroup(
-                f"the group holds {len(excluded)} excluded peer(s) ({excluded[0]}); not averaging with it"
-            )
         runner_class, extra = robust_allreduce.RobustAllReduceRunner, dict(defence=defence)
     runner = runner_class(
         p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,

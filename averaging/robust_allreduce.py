@@ -8,8 +8,8 @@ main process before its averagers fork (see `building`), and each averager it bu
   main process through the Defence's queue; there an ExclusionBook (averaging/exclusion.py) decides
   who is excluded and writes the excluded peer ids into the Defence's shared memory;
 - every averager process reads that list: it refuses excluded peers as followers and as leaders in
-  matchmaking, leaves a group that holds one (an excluded peer would also reduce a part for us),
-  neither serves its state to one nor downloads state from one, and drops what one sends.
+  matchmaking, neither serves its state to one nor downloads state from one, and drops what one sends
+  in a group that another leader formed with it.
 
 The hivemind patches that call into here are installed by averaging/hivemind_compat.py.
 """
@@ -88,10 +88,6 @@ class Defence:
     def close(self) -> None:
         self._verdicts.close()
         self._verdicts.cancel_join_thread()  # a verdict nobody reads must not hold up this process's exit
-
-
-class ExcludedPeerInGroup(AllreduceException):
-    """A group assembled by a leader that has not excluded a peer we have: this peer sits that round out."""
 
 
 # --- which Defence an averager carries ------------------------------------------------------------
