@@ -141,7 +141,7 @@ class AveragingConfig(BaseModel):
         "the result far). Contributions that hold NaN/Inf, or are far out by norm or direction, are dropped first.",
     )
     robust_norm_ratio: float = Field(
-        default=10.0,
+        default=20.0,
         gt=1,
         description="Drop a contribution whose norm is more than this many times the median of the others' (needs "
         "3 or more senders). Raise it if honest peers' updates differ a lot in size.",

@@ -32,7 +32,7 @@ CENTERED_CLIP_ITERATIONS = 5
 
 @dataclass(frozen=True)
 class RobustPolicy:
-    norm_ratio: float = 10.0
+    norm_ratio: float = 20.0
     min_cosine: float = -0.2  # -1 turns the direction check off
     rule: str = "mean"
     trim_fraction: float = 0.25

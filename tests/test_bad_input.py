@@ -78,6 +78,13 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "adaptive_large_codec": [lambda t: "fp16"],
     "offload_optimizer": [lambda t: "sometimes"],
     "delay_updates": [lambda t: "yes please"],
+    "robust_aggregation": [lambda t: "median"],
+    "robust_norm_ratio": [lambda t: "1"],
+    "robust_min_cosine": [lambda t: "-2"],
+    "robust_trim_fraction": [lambda t: "0.5"],
+    "exclude_after": [lambda t: "0"],
+    "exclude_window": [lambda t: "0"],
+    "exclusion_seconds": [lambda t: "-5"],
 }
 
 CASES = [(name, index) for name in sorted(BAD_VALUES) for index in range(len(BAD_VALUES[name]))]
