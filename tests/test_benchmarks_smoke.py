@@ -130,7 +130,7 @@ def test_scaling_smoke(tmp_path: Path):
 
 @pytest.mark.timeout(150)
 def test_robustness_smoke(tmp_path: Path):
-    results, _ = run_benchmark("robustness", tmp_path, "--seconds", "12", timeout=140.0)
+    results, _ = run_benchmark("robustness", tmp_path, "--seconds", "8", timeout=140.0)
     assert {"task", "target_batch_size", "seconds_per_run", "repeats", "runs", "summary", "goal"} <= results.keys()
     assert [row["attack"] for row in results["runs"]] == ["none", "scaled-1e4"]
     for row in results["runs"]:
