@@ -25,7 +25,6 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-RULES = ("mean", "trimmed-mean", "centered-clip")
 MIN_SENDERS_FOR_DIRECTION = 4
 CENTERED_CLIP_ITERATIONS = 5
 
