@@ -49,7 +49,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import common
-from benchmarks.scaling import Peer, stop_all
+from benchmarks.scaling import Peer, stop_all, wait_joined
 
 NAME = "robustness"
 MALICIOUS_TASK = "tests.tasks_for_tests:make_malicious_task"
@@ -70,7 +70,7 @@ def start_swarm(attack: str, run_id: str, base: List[str], work: Path, start_tim
 
     first = start(0, swarm)
     deadline = time.monotonic() + start_timeout
-    _wait_joined(first, deadline)
+    wait_joined(first, deadline, attack)
     joining = [*swarm, "--initial-peers", first.join_address]
     peers = [first] + [start(index, joining) for index in range(1, HONEST_PEERS)]
     if attack == "none":
@@ -79,16 +79,8 @@ def start_swarm(attack: str, run_id: str, base: List[str], work: Path, start_tim
         peers.append(start(HONEST_PEERS, [*joining, "--task", MALICIOUS_TASK],
                            env={"ATTACK_FACTOR": ATTACK_FACTORS[attack]}))
     for peer in peers[1:]:
-        _wait_joined(peer, deadline)
+        wait_joined(peer, deadline, attack)
     return peers
-
-
-def _wait_joined(peer: Peer, deadline: float) -> None:
-    with peer.changed:
-        while peer.joined_at is None and peer.process.poll() is None and time.monotonic() < deadline:
-            peer.changed.wait(0.5)
-    if peer.joined_at is None:
-        raise RuntimeError(f"peer {peer.index} did not start; log tail:\n{peer.tail()}")
 
 
 def _first(pattern: "re.Pattern", peer: Peer) -> Optional[str]:

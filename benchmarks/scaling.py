@@ -160,19 +160,20 @@ def launch(peers: int, extra: List[str], base: List[str], plan, threads: int, wo
 
     started.append(one(0, []))
     deadline = time.monotonic() + start_timeout
-    with started[0].changed:
-        while started[0].join_address is None and started[0].process.poll() is None and time.monotonic() < deadline:
-            started[0].changed.wait(0.5)
-    if started[0].join_address is None:
-        raise RuntimeError(f"{label}: peer 0 printed no join line; log tail:\n{started[0].tail()}")
+    wait_joined(started[0], deadline, label)
     started += [one(i, ["--initial-peers", started[0].join_address]) for i in range(1, peers)]
     for peer in started[1:]:
-        with peer.changed:
-            while peer.joined_at is None and peer.process.poll() is None and time.monotonic() < deadline:
-                peer.changed.wait(0.5)
-        if peer.joined_at is None:
-            raise RuntimeError(f"{label}: peer {peer.index} did not start; log tail:\n{peer.tail()}")
+        wait_joined(peer, deadline, label)
     return started
+
+
+def wait_joined(peer: Peer, deadline: float, label: str) -> None:
+    """Wait until the peer printed its join line; raise with its log tail if it exits or the deadline passes."""
+    with peer.changed:
+        while peer.joined_at is None and peer.process.poll() is None and time.monotonic() < deadline:
+            peer.changed.wait(0.5)
+    if peer.joined_at is None:
+        raise RuntimeError(f"{label}: peer {peer.index} did not start; log tail:\n{peer.tail()}")
 
 
 def scaling_run(run: common.Run, peers: int, repeat: int, settings: dict, base: List[str], work: Path) -> dict:
