@@ -117,6 +117,10 @@ class SwarmOptimizer(Protocol):
     def load_state_from_peers(self) -> bool:
         """Download the swarm's newest state, with bounded attempts; True if a peer's state was loaded."""
 
+    def offer_final_state(self) -> bool:
+        """Rank this peer's state first among donors at its epoch, once its updates are applied; True once
+        the swarm can see that (leaving peers whose last round failed then download from this one)."""
+
     def wait_for_background_updates(self) -> None:
         """Apply any in-flight background update, so that the parameters are final (before a checkpoint)."""
 

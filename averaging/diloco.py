@@ -43,6 +43,7 @@ from averaging.api import Replica, RoundReport, SwarmView
 from averaging.compression import make_codec
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
+from averaging.donor import offer_state
 from averaging.guards import all_finite
 from averaging.rounds import RoundKeeper, set_matchmaking_window
 from averaging.state import GuardedStateAverager
@@ -225,6 +226,9 @@ class DiLoCoOptimizer:
                                        outer["global_params"] + outer["outer_momentum"]):
                     mine.copy_(saved)
         self.tracker.report_local_progress(self.local_epoch, 0)
+
+    def offer_final_state(self) -> bool:
+        return offer_state((self.state_averager,), self.local_epoch)
 
     def wait_for_background_updates(self) -> None:
         """Nothing runs in the background between rounds: parameters are always final."""

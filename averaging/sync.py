@@ -29,6 +29,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from averaging import progress
 from averaging.api import RoundReport, SwarmView
 from averaging.deadlines import Deadlines
+from averaging.donor import offer_state
 from averaging.guards import all_finite
 from averaging.rounds import RoundKeeper, set_matchmaking_window
 from averaging.state import GuardedStateAverager, ReportingStateAverager
@@ -87,6 +88,10 @@ class SyncOptimizer(hivemind.Optimizer):
                 progress.served(self.tracker, self.local_epoch)
         self.rounds.report_download(loaded, self.local_epoch)
         return loaded
+
+    def offer_final_state(self) -> bool:
+        self.wait_for_background_updates()
+        return offer_state((self.state_averager, self.grad_averager), self.local_epoch)
 
     def wait_for_background_updates(self) -> None:
         """Apply any in-flight background averaging, so local parameters are final (before a checkpoint)."""

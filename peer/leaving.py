@@ -1,8 +1,14 @@
 """Leaving at --max-epochs without stranding a straggler.
 
 A peer whose last averaging round failed still advances its epoch, and then downloads the
-swarm's final state before it leaves, if another peer has it. It needs a peer to download
-from, so a peer that finishes stays while another may still need it:
+swarm's final state before it leaves, if another peer has it. Peers at the same epoch may hold
+different states (each one whose last round failed applied only its own gradients), so a peer
+whose last round averaged offers its state ("offers" in its leave record, and a higher donor
+priority), and one whose round failed downloads only once such an offer is there. If every peer
+at that epoch had its last round fail, the one with the smallest id offers its state and the
+others download it: all of them end with the same weights.
+
+It needs a peer to download from, so a peer that finishes stays while another may still need it:
 
 - a peer behind (a lower epoch) is still in its last round, or about to download;
 - a peer that announced it is downloading needs someone to serve it;
@@ -16,10 +22,17 @@ then "done". When every other peer is done, all leave at once instead of waiting
 from __future__ import annotations
 
 import enum
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 LEAVING_KEY_SUFFIX = "_leaving"
 DOWNLOADING, DONE = "downloading", "done"
+
+
+class Source(enum.Enum):
+    """Where a peer whose last round failed takes its final state from."""
+    WAIT = "wait"  # a peer at our epoch has not said whether its round averaged
+    DOWNLOAD = "download"  # a peer offers the final state, or is ahead
+    OFFER = "offer"  # every peer at our epoch failed too, and ours is the smallest id: ours is the final state
 
 
 class Need(enum.Enum):
@@ -28,8 +41,8 @@ class Need(enum.Enum):
     SERVE = "serve"  # behind, or downloading: stay for it
 
 
-def leave_record(epoch: int, state: str) -> dict:
-    return {"epoch": epoch, "state": state}
+def leave_record(epoch: int, state: str, offers: bool = False) -> dict:
+    return {"epoch": epoch, "state": state, "offers": offers}
 
 
 def _epoch(record: object) -> Optional[int]:
@@ -41,6 +54,31 @@ def has_final_state_elsewhere(epoch: int, progress: Mapping[bytes, object], me: 
     """Whether another peer has reached `epoch` too: only then is there a final state to download.
     If everyone else is behind, this peer's own state is the newest there is."""
     return any(owner != me and (_epoch(record) or -1) >= epoch for owner, record in progress.items())
+
+
+def final_state_source(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
+                       me: bytes) -> Source:
+    """For a peer whose last round failed, leaving at `epoch`: download, offer its own state, or wait."""
+    downloading = []
+    for owner, record in progress.items():
+        their_epoch = _epoch(record)
+        if owner == me or their_epoch is None or their_epoch < epoch:
+            continue
+        state, offers = _announced(leaving.get(owner), their_epoch)
+        if (state == DONE and offers) or (their_epoch > epoch and state is None):
+            return Source.DOWNLOAD
+        if state is None:
+            return Source.WAIT
+        if state == DOWNLOADING:
+            downloading.append(owner)
+    return Source.OFFER if all(me < owner for owner in downloading) else Source.WAIT
+
+
+def _announced(record: object, epoch: int) -> Tuple[Optional[str], bool]:
+    """A leave record's state and offer, if it is for `epoch` (an older one is stale)."""
+    if not isinstance(record, dict) or record.get("epoch") != epoch:
+        return None, False
+    return record.get("state"), record.get("offers") is True
 
 
 def needs_of_others(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
@@ -55,9 +93,7 @@ def needs_of_others(epoch: int, progress: Mapping[bytes, object], leaving: Mappi
         their_epoch = _epoch(record)
         if owner == me or their_epoch is None:
             continue
-        announced = leaving.get(owner)
-        state = (announced.get("state")
-                 if isinstance(announced, dict) and announced.get("epoch") == their_epoch else None)
+        state, _ = _announced(leaving.get(owner), their_epoch)
         if state == DONE or (their_epoch > epoch and state is None):
             needs[owner] = Need.NOTHING  # done at its own epoch (a lower --max-epochs, too), or training on ahead
         elif their_epoch < epoch or state == DOWNLOADING:

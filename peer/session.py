@@ -31,7 +31,16 @@ from averaging.api import SwarmOptimizer
 from averaging.open_rounds import RoundAbandoner
 from dht.keys import SwarmKeys
 from dht.records import own_subkey, read_by_owner, store_own
-from peer.leaving import DONE, DOWNLOADING, Need, has_final_state_elsewhere, leave_record, needs_of_others
+from peer.leaving import (
+    DONE,
+    DOWNLOADING,
+    Need,
+    Source,
+    final_state_source,
+    has_final_state_elsewhere,
+    leave_record,
+    needs_of_others,
+)
 from peer.signals import StopRequest
 
 logger = logging.getLogger(__name__)
@@ -113,9 +122,10 @@ class SwarmSession:
         progress = read_by_owner(self.dht, self.keys.progress)  # fresh: the tracker's view may lag
         if last_round_outcome in ("failed", "timeout") and has_final_state_elsewhere(epoch, progress, self.me):
             self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING))
-            logger.info("the last averaging round failed: downloading the swarm's final state before leaving")
-            self.optimizer.load_state_from_peers()
-        self._publish(self.keys.leaving, leave_record(epoch, DONE))
+            offers = self._take_final_state(epoch, give_up_at=now + matchmaking + timeout)
+        else:
+            offers = self.optimizer.offer_final_state()
+        self._publish(self.keys.leaving, leave_record(epoch, DONE, offers))
         silent_since: Dict[bytes, float] = {}
         while not self.stop and time.monotonic() < deadline:
             needs = needs_of_others(epoch, read_by_owner(self.dht, self.keys.progress),
@@ -131,6 +141,24 @@ class SwarmSession:
             if not waiting:
                 return
             self.stop.wait(0.5)
+
+    def _take_final_state(self, epoch: int, give_up_at: float) -> bool:
+        """After a failed last round: download the state a peer offers, or offer ours if every peer at this
+        epoch failed and ours has the smallest id. True if this peer offers its state."""
+        source = Source.WAIT
+        while source is Source.WAIT and not self.stop and time.monotonic() < give_up_at:
+            source = final_state_source(epoch, read_by_owner(self.dht, self.keys.progress),
+                                        read_by_owner(self.dht, self.keys.leaving), self.me)
+            if source is Source.WAIT:
+                self.stop.wait(0.5)
+        if source is Source.OFFER:
+            logger.info("every peer at the last epoch had its last averaging round fail: "
+                        "offering this peer's state as the final state, for the others to download")
+            return self.optimizer.offer_final_state()
+        # a donor offers its state, or none said in time: the best-ranked donor is the best guess
+        logger.info("the last averaging round failed: downloading the swarm's final state before leaving")
+        self.optimizer.load_state_from_peers()
+        return False
 
     def close(self) -> None:
         """After the optimizer has shut down: stop watching its rounds."""

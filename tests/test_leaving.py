@@ -1,7 +1,16 @@
 """Who a peer leaving at --max-epochs still has to wait for (peer.leaving)."""
 from __future__ import annotations
 
-from peer.leaving import DONE, DOWNLOADING, Need, has_final_state_elsewhere, leave_record, needs_of_others
+from peer.leaving import (
+    DONE,
+    DOWNLOADING,
+    Need,
+    Source,
+    final_state_source,
+    has_final_state_elsewhere,
+    leave_record,
+    needs_of_others,
+)
 
 ME, A, B = b"me", b"a", b"b"
 
@@ -48,3 +57,31 @@ def test_a_final_state_exists_elsewhere_only_if_another_peer_reached_our_epoch()
     assert has_final_state_elsewhere(10, progress(me=10, a=11), ME)
     assert not has_final_state_elsewhere(10, progress(me=10, a=9), ME)  # the straggler has nothing newer
     assert not has_final_state_elsewhere(10, {ME: {"epoch": 10}, A: {"epoch": "x"}}, ME)
+
+
+def test_a_failed_peer_downloads_once_a_peer_at_its_epoch_offers_its_state():
+    undecided = {A: leave_record(10, DOWNLOADING)}
+    assert final_state_source(10, progress(me=10, a=10, b=10), undecided, ME) is Source.WAIT  # b has not said
+    offered = {**undecided, B: leave_record(10, DONE, offers=True)}
+    assert final_state_source(10, progress(me=10, a=10, b=10), offered, ME) is Source.DOWNLOAD
+
+
+def test_a_failed_peer_downloads_from_a_peer_ahead():
+    assert final_state_source(10, progress(me=10, a=11), {}, ME) is Source.DOWNLOAD
+
+
+def test_when_every_peer_at_the_epoch_failed_the_smallest_id_offers_and_the_others_wait_for_it():
+    everyone_failed = {owner: leave_record(10, DOWNLOADING) for owner in (ME, A, B)}
+    records = progress(me=10, a=10, b=10)
+    assert final_state_source(10, records, everyone_failed, A) is Source.OFFER  # b"a" < b"b" < b"me"
+    assert final_state_source(10, records, everyone_failed, B) is Source.WAIT
+    assert final_state_source(10, records, everyone_failed, ME) is Source.WAIT
+    a_offers = {**everyone_failed, A: leave_record(10, DONE, offers=True)}
+    assert final_state_source(10, records, a_offers, B) is Source.DOWNLOAD
+
+
+def test_a_peer_done_without_an_offer_or_behind_is_not_waited_for():
+    records = progress(me=10, a=10, b=9)
+    assert final_state_source(10, records, {A: leave_record(10, DONE, offers=False)}, ME) is Source.OFFER
+    stale_offer = {A: leave_record(9, DONE, offers=True)}  # from an earlier epoch: a is silent at 10
+    assert final_state_source(10, records, stale_offer, ME) is Source.WAIT

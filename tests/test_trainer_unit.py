@@ -106,6 +106,10 @@ class FakeOptimizer:
             self.hooks.state_loaded(self._epoch)
         return self.download_succeeds
 
+    def offer_final_state(self) -> bool:
+        self.calls.append("offer_final_state")
+        return True
+
     def wait_for_background_updates(self) -> None:
         self.calls.append("wait_for_background_updates")
 
