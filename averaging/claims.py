@@ -22,7 +22,7 @@ records expire further ahead than any record could, it is this peer's clock that
 (once), judges records by the swarm's time instead of ignoring every peer, and the others do not believe
 its records, so it cannot drive the swarm's epochs. A clock ahead of the swarm's by more than the
 matchmaking window writes records the others refuse ("written in the future"); it sees few or none of
-theirs (they look expired to it), which its own log shows as a swarm of one.
+theirs (they look expired to it), and learns so from the swarm's longer-lived clock records (dht/clock.py).
 Records of peers this peer has excluded (averaging/exclusion.py) are not believed either: an excluded
 peer's samples were never averaged, so they must not count toward the target.
 
@@ -107,7 +107,8 @@ class ClaimFilter:
                  if owner != self.own_owner and getattr(entry, "value", None) is not None]
         if len(ahead) < 2:
             return
-        behind = statistics.median(ahead) - self.max_ttl_seconds
+        # the lower median: with two others, one of them ahead must not make this peer blame its own clock
+        behind = statistics.median_low(ahead) - self.max_ttl_seconds
         if behind > 0 and not self.clock_offset:
             logger.warning(f"this peer's clock is at least {behind:.0f}s behind the swarm's (the median of "
                            f"{len(ahead)} peers' progress records): matchmaking and progress use wall-clock time, "

@@ -46,14 +46,20 @@ def announce(tracker: ProgressTracker, key: RSAPrivateKey) -> None:
                       expiration_time=get_dht_time() + tracker.metadata_expiration)
 
 
+def clock_skew_allowed(matchmaking_seconds: float) -> float:
+    """How far apart two peers' clocks may be: the matchmaking window, at least MIN_CLOCK_SKEW_SECONDS.
+    A clock further off is wrong for averaging anyway (matchmaking schedules rounds on DHT time)."""
+    return max(MIN_CLOCK_SKEW_SECONDS, matchmaking_seconds)
+
+
 def believe_plausible_claims(tracker: ProgressTracker, key: RSAPrivateKey, matchmaking_seconds: float,
                              excluded: Callable[[], Collection[bytes]] = frozenset) -> None:
     """From its next fetch on, the tracker reads only the records a ClaimFilter believes (never its own).
 
-    A clock more than the matchmaking window (at least MIN_CLOCK_SKEW_SECONDS) ahead of ours is wrong for
-    averaging anyway: such a peer's records are not believed, so it cannot drive the swarm's epochs.
+    A peer whose clock is more than clock_skew_allowed ahead of ours writes records that are not believed,
+    so it cannot drive the swarm's epochs.
     """
-    skew = max(MIN_CLOCK_SKEW_SECONDS, matchmaking_seconds)
+    skew = clock_skew_allowed(matchmaking_seconds)
     tracker.claims = ClaimFilter(RSASignatureValidator(key).local_public_key, tracker.target_batch_size,
                                  max_ttl_seconds=tracker.metadata_expiration + skew, max_clock_skew_seconds=skew,
                                  excluded=excluded)

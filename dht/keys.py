@@ -51,6 +51,11 @@ class SwarmKeys:
         return f"{self.namespace}_manifest"
 
     @property
+    def clock(self) -> str:
+        """Every peer's clock record (dht/clock.py)."""
+        return f"{self.namespace}_clock"
+
+    @property
     def start_gate(self) -> str:
         """When each waiting peer saw the --min-peers quorum."""
         return f"{self.progress}_start"

@@ -8,12 +8,14 @@ With --identity, the key file is created or validated here, before p2pd sees it.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
 import hivemind
 import psutil
+from hivemind.dht.protocol import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 from dht.config import DHTConfig
 from dht.identity import IdentityError, ensure_identity, is_private
@@ -87,6 +89,14 @@ def start_dht(
                 e = TimeoutError(f"not ready within --startup-timeout-seconds {config.startup_timeout_seconds:g}")
             last_error = e
             _discard(dht)
+            offset = clock_offset_from(e)
+            if offset is not None:  # no retry mends a clock
+                raise DHTStartError(
+                    f"this machine's clock is {abs(offset):.0f}s {'ahead of' if offset > 0 else 'behind'} the "
+                    f"initial peer's, and hivemind refuses to join a swarm whose clocks differ by more than "
+                    f"{MAX_DHT_TIME_DISCREPANCY_SECONDS:g}s: set this machine's clock right "
+                    f"(e.g. enable NTP: timedatectl set-ntp true) and start again"
+                ) from e
             if attempt < config.startup_attempts:
                 logger.warning(
                     f"DHT start attempt {attempt}/{config.startup_attempts} failed ({one_line(e)}); "
@@ -101,6 +111,16 @@ def start_dht(
         f"last error: {one_line(last_error)}; check that an initial peer is running and reachable, "
         f"or raise --startup-attempts / --startup-timeout-seconds"
     ) from last_error
+
+
+_CLOCK_MISMATCH = re.compile(r"local time must be within .*local: (-?[\d.]+), peer: (-?[\d.]+)")
+
+
+def clock_offset_from(error: BaseException) -> Optional[float]:
+    """How far this machine's clock is ahead of an initial peer's (negative: behind), if hivemind's bootstrap
+    ping refused to join for that reason; else None."""
+    found = _CLOCK_MISMATCH.search(str(error))
+    return float(found.group(1)) - float(found.group(2)) if found else None
 
 
 def _wait_until_ready(dht: hivemind.DHT, timeout_seconds: float, cancelled: Callable[[], bool]) -> None:

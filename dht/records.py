@@ -32,6 +32,7 @@ RECORD_TTL_SECONDS = 15.0
 PUBLISH_PERIOD_SECONDS = 3.0
 MAX_VALUE_BYTES = 4096  # serialized and signed; a typical PeerInfo takes under 1 KiB
 MAX_TTL_SECONDS = 3600.0  # generous: clocks of volunteers' machines drift
+CLOCK_RECORD_TTL_SECONDS = 7200.0  # dht/clock.py: long enough to reach a peer whose clock is an hour ahead
 
 
 class PeerInfo(BaseModel):
@@ -68,8 +69,15 @@ class RunManifest(BaseModel):
     """When the run's first peer made it (DHT time): the older of two equally shared manifests wins."""
 
 
-class ManifestSchema(BaseModel):
+class ClockRecord(BaseModel):
+    """A peer's clock when it wrote this (dht/clock.py)."""
+
+    time: confloat(strict=True)
+
+
+class TrainingRecordsSchema(BaseModel):
     manifest: Dict[BytesWithPublicKey, Optional[RunManifest]]
+    clock: Dict[BytesWithPublicKey, Optional[ClockRecord]]
 
 
 class RecordLimitsValidator(RecordValidatorBase):
@@ -104,8 +112,10 @@ def record_validators(keys: SwarmKeys) -> List:
     """Validators every DHT node of the run must install: typed, bounded values in owner-signed subkeys."""
     return [
         SchemaValidator(SwarmRecordsSchema, prefix=keys.run_id),
-        SchemaValidator(ManifestSchema, prefix=keys.namespace),
+        SchemaValidator(TrainingRecordsSchema, prefix=keys.namespace),
         RecordLimitsValidator([keys.peers, keys.manifest]),
+        # a clock record must outlive a clock that runs ahead (dht/clock.py)
+        RecordLimitsValidator([keys.clock], max_ttl_seconds=MAX_TTL_SECONDS + CLOCK_RECORD_TTL_SECONDS),
         RSASignatureValidator(),
     ]
 

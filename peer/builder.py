@@ -22,6 +22,8 @@ from averaging import hivemind_compat
 from averaging.api import Replica, RoundReport, SwarmOptimizer
 from averaging.compression import round_payload_bytes
 from averaging.factory import build_swarm_optimizer, progress_record_ttl_seconds
+from averaging.progress import clock_skew_allowed
+from dht.clock import ClockRecordPublisher
 from dht.keys import SwarmKeys
 from dht.manifest import MANIFEST_TTL_SECONDS, REFRESH_PERIOD_SECONDS, agreed_manifest, read_manifests
 from dht.node import DHTStartCancelled, quiet_dht_logs, shutdown_dht, start_dht
@@ -209,7 +211,8 @@ class PeerBuilder:
         return trainer
 
     def publisher(self, dht: hivemind.DHT, trainer: Trainer, monitoring: Monitoring) -> PeerInfoPublisher:
-        """Publishes this peer's PeerInfo every few seconds (what `peer status` and the monitor show)."""
+        """Publishes this peer's PeerInfo every few seconds (what `peer status` and the monitor show), and its
+        clock record (dht/clock.py)."""
         started, device, classifier = time.monotonic(), describe_device(trainer.device), monitoring.classifier
         optimizer = trainer.optimizer
         publisher = PeerInfoPublisher(dht, self.config.training.run_id, lambda: PeerInfo(
@@ -226,6 +229,10 @@ class PeerBuilder:
         ))
         publisher.start()
         self.stack.callback(publisher.stop)
+        # so that a peer whose clock runs ahead, and so sees no one, is told why
+        clock = ClockRecordPublisher(dht, self.keys.clock, clock_skew_allowed(optimizer.deadlines.matchmaking_seconds))
+        clock.start()
+        self.stack.callback(clock.stop)
         return publisher
 
     def _join_run(self, dht: hivemind.DHT, task_name: str, model: torch.nn.Module) -> None:

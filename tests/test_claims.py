@@ -135,6 +135,14 @@ def test_records_of_excluded_peers_are_not_believed():
     assert set(believed.filter(records, NOW + 1)) == {ME, HONEST}
 
 
+def test_one_of_two_other_peers_ahead_does_not_make_a_right_clock_blame_itself(caplog):
+    believed = claims()
+    swarm = {ME: entry(3), HONEST: entry(3), LIAR: entry(3, written=NOW + 3600, expires=NOW + 3630)}
+    with caplog.at_level("WARNING"):
+        assert set(believed.filter(swarm, NOW)) == {ME, HONEST}  # the record from the future is the one ignored
+    assert believed.clock_offset == 0.0 and "behind the swarm's" not in caplog.text
+
+
 def test_a_peer_whose_own_clock_is_wrong_says_so_and_blames_nobody(caplog):
     believed = claims()
     hour = 3600.0

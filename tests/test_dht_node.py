@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
+import hivemind
 import psutil
 import pytest
 from hivemind.utils import get_dht_time
 
 from dht.config import DHTConfig
 from dht.keys import SwarmKeys
-from dht.node import DHTStartError, shutdown_dht, start_dht, visible_maddrs
+from dht.node import DHTStartError, clock_offset_from, shutdown_dht, start_dht, visible_maddrs
 from dht.records import record_validators
 from peer.config import load_config
 from tests.peers import session_processes
@@ -99,6 +101,27 @@ def test_unreachable_initial_peer_is_retried_then_one_line_error(tmp_path: Path)
     assert "after 3 attempts" in message and address in message and "last error: " in message
     assert error.value.__cause__ is not None
     assert set(session_p2pds()) <= p2pds_before, "a failed attempt left a p2pd behind"
+
+
+@pytest.mark.timeout(90)
+def test_a_clock_off_at_start_is_named_at_once_with_the_fix(dhts, monkeypatch):
+    first = dhts(DHTConfig(**FAST))
+    # the joining node's clock an hour ahead: its DHT process, forked next, inherits the patched clock
+    monkeypatch.setattr(hivemind.dht.protocol, "get_dht_time", lambda: get_dht_time() + 3600)
+    slept = []
+    config = DHTConfig(initial_peers=[str(a) for a in visible_maddrs(first)], startup_attempts=3, **FAST)
+    with pytest.raises(DHTStartError) as error:
+        start_dht(config, sleep=slept.append)
+    assert slept == []  # no retry mends a clock
+    message = str(error.value)
+    assert re.fullmatch(r"this machine's clock is 3600s ahead of the initial peer's, .* timedatectl set-ntp true\) "
+                        r"and start again", message), message
+
+
+def test_a_clock_offset_is_read_only_from_hivemind_s_clock_refusal():
+    refusal = ValueError("local time must be within 3 seconds  of others(local: 1700003600.5, peer: 1700000000.5)")
+    assert clock_offset_from(refusal) == 3600.0
+    assert clock_offset_from(TimeoutError("not ready within --startup-timeout-seconds 20")) is None
 
 
 def session_p2pds():

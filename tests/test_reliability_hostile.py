@@ -1,5 +1,6 @@
 """Hostile peers against a 3-peer honest swarm: one attacker at a time joins (4 peers), its contributions are
-dropped at the reducers and it is excluded; the honest peers train on, end equal, with a falling loss."""
+dropped at the reducers and it is excluded; the honest peers train on, end equal, with a falling loss.
+Before them, a peer whose clock runs an hour ahead joins, and says so."""
 from __future__ import annotations
 
 import json
@@ -33,6 +34,18 @@ def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on(spawn
                         for name in HONEST[1:]]
     for peer in honest[1:]:
         peer.join_address()
+    # a peer whose clock jumps an hour ahead once it has joined sees none of the swarm's records (they look
+    # expired), and the swarm believes none of its own: it trains alone, so it must say why
+    jump = tmp_path / "clock-jump"
+    ahead = start_peer(spawn, tmp_path, "clock-ahead", *common, "--task", "tests.tasks_for_tests:make_clock_ahead_task",
+                       "--initial-peers", address, env={"CLOCK_AHEAD_SECONDS": "3600", "CLOCK_JUMP_FILE": str(jump)})
+    ahead.join_address()
+    jump.touch()
+    wait_until(lambda: "this peer's clock is at least" in ahead.log(), 90, message="the clock-ahead peer to say so")
+    assert re.search(r"this peer's clock is at least (3[56]\d\d)s ahead of the clocks of 3 other peer", ahead.log())
+    ahead.send(signal.SIGTERM)
+    assert ahead.wait(60) == 0, ahead.log()[-3000:]
+
     attackers = {}
     for attack, factor in ATTACK_FACTORS.items():
         attacker = start_peer(spawn, tmp_path, attack, *common, "--min-peers", "4", "--task", MALICIOUS_TASK,
@@ -49,7 +62,8 @@ def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on(spawn
         assert peer.wait(240) == 0, peer.log()[-3000:]
 
     summaries = [json.loads((tmp_path / f"{name}.json").read_text()) for name in HONEST]
-    for summary in summaries:
+    for peer, summary in zip(honest, summaries):
+        assert "clock is at least" not in peer.log()
         assert summary["excluded_peers"] == list(attackers.values()), (summary["excluded_peers"], attackers)
         assert summary["global_epoch"] == EPOCHS and summary["val_loss_last"] < summary["val_loss_first"], summary
     states = [load_model_state(tmp_path / name) for name in HONEST]
