@@ -38,7 +38,7 @@ def _seconds_or_auto(value, rule: str = "a number of seconds > 0 or 'auto'"):
 
 
 class AveragingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     target_batch_size: int = Field(
         default=4096,

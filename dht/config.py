@@ -13,6 +13,8 @@ from typing import Callable, List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from dht.files import read_input_text
+
 MULTIADDR_EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3..."
 
 
@@ -39,11 +41,7 @@ def read_initial_peers_file(path: Path) -> List[str]:
     :raises ValueError: one line naming the file (and the line, for a malformed address)
     """
     path = Path(path)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
-        raise ValueError(f"cannot read {path} ({reason}); check the path and its permissions") from None
+    text = read_input_text(path)
     maddrs = []
     for number, line in enumerate(text.splitlines(), start=1):
         maddr = line.split("#", 1)[0].strip()
@@ -60,7 +58,7 @@ def read_initial_peers_file(path: Path) -> List[str]:
 
 
 class DHTConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     initial_peers: List[str] = Field(
         default_factory=list,

@@ -15,6 +15,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from dht.files import InputFileError, read_input_file
+
 KEY_FILE_MODE = 0o600
 
 
@@ -30,12 +32,9 @@ def read_identity(path: Path) -> str:
     if not path.is_file():
         raise IdentityError(f"identity file {path} is not a regular file; point --identity at a key file")
     try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise IdentityError(
-            f"identity file {path} cannot be read ({e.strerror or e}); "
-            "fix its permissions or point --identity elsewhere"
-        ) from e
+        data = read_input_file(path)
+    except InputFileError as e:
+        raise IdentityError(f"identity file: {e}") from e
     try:
         return PeerID.from_identity(data).to_base58()
     except Exception as e:  # protobuf DecodeError, cryptography's ValueError, ...: all mean "not a key"

@@ -14,6 +14,8 @@ import hmac
 from pathlib import Path
 from typing import Optional
 
+from dht.files import InputFileError, read_input_file
+
 MIN_SECRET_BYTES = 16
 
 
@@ -23,11 +25,9 @@ class SwarmKeyError(ValueError):
 
 def read_swarm_key(path: Path) -> bytes:
     try:
-        secret = Path(path).read_bytes().strip()
-    except OSError as e:
-        raise SwarmKeyError(
-            f"cannot read swarm key {path} ({e.strerror or e}); check the path and permissions"
-        ) from None
+        secret = read_input_file(Path(path)).strip()
+    except InputFileError as e:
+        raise SwarmKeyError(f"swarm key: {e}") from None
     if len(secret) < MIN_SECRET_BYTES:
         raise SwarmKeyError(
             f"swarm key {path} holds {len(secret)} bytes, fewer than {MIN_SECRET_BYTES}; "

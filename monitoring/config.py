@@ -13,7 +13,7 @@ HOSTNAME = re.compile(
 
 
 class MonitoringConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     metrics_port: Union[Literal["off"], int] = Field(
         default=0, description="Port for /metrics and /healthz; 0 picks a free port; off disables the endpoint."

@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import tomllib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Tuple, Type
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from averaging.config import AveragingConfig
 from dht.config import DHTConfig
+from dht.files import InputFileError, read_input_text
 from monitoring.config import MonitoringConfig
 
 ENV_PREFIX = "PEER_"
@@ -35,21 +37,24 @@ class ConfigError(ValueError):
 
 
 class TrainingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     run_id: str = Field(
         default="swarmtrain",
         min_length=1,
+        max_length=128,
         pattern=r"^[A-Za-z0-9_-]+$",  # hivemind builds DHT key prefixes from it and forbids "."
         description="Name of the training run; peers with the same run id train together.",
     )
-    task: str = Field(default="bytelm", min_length=1, description="Built-in task name or module:function.")
+    task: str = Field(default="bytelm", min_length=1, max_length=256,
+                      description="Built-in task name or module:function.")
     batch_size: Optional[int] = Field(default=None, ge=1, description="Samples per local step (default: the task's).")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto picks cuda when available.")
     max_epochs: Optional[int] = Field(default=None, ge=1, description="Exit 0 once this global epoch is reached.")
     max_seconds: Optional[float] = Field(default=None, gt=0, description="Exit 0 after training this long.")
     data_workers: int = Field(default=2, ge=0, description="DataLoader worker processes for preprocessing.")
-    seed: int = Field(default=0, ge=0, description="Seed for this peer's data order (model init is seeded by run id).")
+    seed: int = Field(default=0, ge=0, le=2**32 - 1,
+                      description="Seed for this peer's data order (model init is seeded by run id).")
     val_batches: int = Field(default=8, ge=1, description="Validation batches evaluated at each global epoch.")
 
 
@@ -66,7 +71,7 @@ def _not_a_directory(path: Optional[Path]) -> Optional[Path]:
 
 
 class CheckpointConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     checkpoint_dir: Path = Field(default=Path("checkpoints"), description="Directory for this peer's checkpoints.")
     _dir_is_a_directory = field_validator("checkpoint_dir")(_not_a_file)
@@ -75,7 +80,7 @@ class CheckpointConfig(BaseModel):
 
 
 class LoggingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     log_format: Literal["text", "json"] = Field(default="text", description="Plain text lines or JSON lines.")
     verbose: bool = Field(default=False, description="Debug logs, hivemind's internals and tracebacks.")
@@ -86,7 +91,7 @@ class LoggingConfig(BaseModel):
 class PeerConfig(BaseModel):
     """The whole configuration of one peer; each package receives its own section."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     training: TrainingConfig = TrainingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -234,19 +239,16 @@ def load_config(
 
 def _read_config_file(path: Path, problems: List[str]) -> List[Tuple[Option, Any]]:
     """Parse a TOML/YAML file of [section] tables into (option, value) pairs."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        problems.append(f"--config: cannot read {path} ({e.strerror or e}); check the path and its permissions")
+    if path.suffix not in (".toml", ".yaml", ".yml"):
+        problems.append(f"--config: {path} must end in .toml, .yaml or .yml (got {path.suffix or 'no suffix'!r})")
         return []
     try:
-        if path.suffix == ".toml":
-            data = tomllib.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
-        else:
-            problems.append(f"--config: {path} must end in .toml, .yaml or .yml (got {path.suffix or 'no suffix'!r})")
-            return []
+        text = read_input_text(path)
+    except InputFileError as e:
+        problems.append(f"--config: {e}")
+        return []
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.load(text, Loader=SettingsYamlLoader) or {}
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         problems.append(f"--config: {path} is not valid {path.suffix[1:].upper()}: {' '.join(str(e).split())}")
         return []
@@ -268,8 +270,44 @@ def _read_config_file(path: Path, problems: List[str]) -> List[Tuple[Option, Any
             if key not in OPTIONS:
                 problems.append(f"{path}: unknown key '{key}'{_did_you_mean(key, all_keys)}")
                 continue
-            result.append((OPTIONS[key], value))
+            option, wrong_type = OPTIONS[key], _wrong_type(OPTIONS[key], value)
+            if wrong_type:
+                problems.append(
+                    f"{option.flag} ({key}) = {_shown(value)} from {path}: {wrong_type}; fix {key} in {path}")
+                continue
+            result.append((option, value))
     return result
+
+
+def _wrong_type(option: Option, value: Any) -> Optional[str]:
+    """TOML and YAML values are typed: refuse what pydantic would quietly convert (true as 1, 1.0 as 1)."""
+    annotation = SECTIONS[option.section].model_fields[option.name].annotation
+    kinds = set(typing.get_args(annotation)) | {annotation}
+    if isinstance(value, bool) and bool not in kinds and (int in kinds or float in kinds):
+        return "a boolean where a number belongs"
+    if isinstance(value, float) and int in kinds and float not in kinds:
+        return "must be a whole number, without a decimal point"
+    return None
+
+
+class SettingsYamlLoader(yaml.SafeLoader):
+    """YAML for settings: no anchors or aliases (an alias bomb expands to gigabytes), no duplicate keys."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a config file",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _did_you_mean(word: str, choices: List[str]) -> str:
@@ -290,4 +328,10 @@ def _describe(error: Dict[str, Any], sources: Dict[Tuple[str, str], str]) -> str
     where = {"flag": f"fix {option.flag}", "env": f"fix or unset {option.env}"}.get(
         source.split()[0], f"fix {option.dotted} in {source.removeprefix('config file ')}"
     )
-    return f"{option.flag} ({option.dotted}) = {error.get('input')!r} from {source}: {message}; {where}"
+    return f"{option.flag} ({option.dotted}) = {_shown(error.get('input'))} from {source}: {message}; {where}"
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value as the error line shows it: its repr, cut short (a 100,000-character run id stays one short line)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -6,6 +6,7 @@ the peer starts (a busy port, a broken task module) run the real command.
 """
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -25,16 +26,23 @@ def _file(tmp: Path, name: str, content: str) -> str:
     return str(path)
 
 
+def _fifo(tmp: Path, name: str) -> str:
+    """A named pipe with no writer: opening it would block forever."""
+    path = tmp / name
+    os.mkfifo(path)
+    return str(path)
+
+
 # command-line name (OPTIONS_BY_CLI) -> functions of a temp dir returning a bad value for it
 BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
-    "run_id": [lambda t: "has space", lambda t: "dots.are.not.allowed"],
+    "run_id": [lambda t: "has space", lambda t: "dots.are.not.allowed", lambda t: "r" * 100_000],
     "task": [lambda t: ""],
     "batch_size": [lambda t: "0", lambda t: "eight"],
     "device": [lambda t: "tpu"],
     "max_epochs": [lambda t: "0", lambda t: "1.5"],
-    "max_seconds": [lambda t: "-1", lambda t: "soon"],
+    "max_seconds": [lambda t: "-1", lambda t: "soon", lambda t: "inf"],
     "data_workers": [lambda t: "-1"],
-    "seed": [lambda t: "-1"],
+    "seed": [lambda t: "-1", lambda t: str(2**80)],
     "val_batches": [lambda t: "0"],
     "checkpoint_dir": [lambda t: _file(t, "a-file", "not a directory")],
     "checkpoint_every_epochs": [lambda t: "0"],
@@ -43,9 +51,11 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "verbose": [lambda t: "maybe"],
     "summary_json": [lambda t: str(t)],
     "initial_peers": [lambda t: "not-a-multiaddr", lambda t: "/ip4/999.1.1.1/tcp/1"],
-    "initial_peers_file": [lambda t: str(t / "missing.txt"), lambda t: _file(t, "peers.txt", "garbage\n")],
+    "initial_peers_file": [lambda t: str(t / "missing.txt"), lambda t: _file(t, "peers.txt", "garbage\n"),
+                           lambda t: _fifo(t, "peers.txt"), lambda t: _file(t, "big.txt", "#" * (2 << 20))],
     "identity": [lambda t: _file(t, "identity.key", "not a key")],
-    "swarm_key": [lambda t: _file(t, "swarm.key", "short"), lambda t: str(t / "missing.key")],
+    "swarm_key": [lambda t: _file(t, "swarm.key", "short"), lambda t: str(t / "missing.key"), lambda t: "/dev/zero",
+                  lambda t: _fifo(t, "swarm.key")],
     "host_maddrs": [lambda t: "0.0.0.0:31337"],
     "announce_maddrs": [lambda t: "/ip4/1.2.3.4/tcp/port"],
     "client_mode": [lambda t: "perhaps"],
@@ -69,8 +79,8 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "average_opt_statistics": [lambda t: "exp avg"],
     "powersgd_rank": [lambda t: "0"],
     "diloco_inner_steps": [lambda t: "0"],
-    "outer_lr": [lambda t: "0"],
-    "outer_momentum": [lambda t: "1.5"],
+    "outer_lr": [lambda t: "0", lambda t: "inf"],
+    "outer_momentum": [lambda t: "1.5", lambda t: "nan"],
     "grad_compression": [lambda t: "zip"],
     "state_compression": [lambda t: "fp8"],
     "load_state_compression": [lambda t: "gzip"],
@@ -149,19 +159,27 @@ def test_bad_config_file_value(capsys, tmp_path, name):
 
 
 @pytest.mark.parametrize(
-    "content, expected",
+    "content, expected, name",
     [
-        ("[training]\nbatch_sise = 4\n", "unknown key 'training.batch_sise' (did you mean 'training.batch_size'?)"),
-        ("[trainig]\nbatch_size = 4\n", "unknown key 'trainig' (did you mean 'training'?)"),
-        ("batch_size = 4\n", "unknown key 'batch_size' (did you mean 'training.batch_size'?)"),
-        ("[training]\nbatch_size = 4\nbatch_size = 5\n", "is not valid TOML"),
-        ("[training]\nbatch_size = 'four'\n", "--batch-size (training.batch_size) = 'four'"),
-        ("training = 3\n", "[training] must be a table"),
+        ("[training]\nbatch_sise = 4\n", "unknown key 'training.batch_sise' (did you mean 'training.batch_size'?)",
+         "peer.toml"),
+        ("[trainig]\nbatch_size = 4\n", "unknown key 'trainig' (did you mean 'training'?)", "peer.toml"),
+        ("batch_size = 4\n", "unknown key 'batch_size' (did you mean 'training.batch_size'?)", "peer.toml"),
+        ("[training]\nbatch_size = 4\nbatch_size = 5\n", "is not valid TOML", "peer.toml"),
+        ("[training]\nbatch_size = 'four'\n", "--batch-size (training.batch_size) = 'four'", "peer.toml"),
+        ("training = 3\n", "[training] must be a table", "peer.toml"),
+        ("[averaging]\ntarget_batch_size = true\n", "a boolean where a number belongs", "peer.toml"),
+        ("[monitoring]\nmetrics_port = 1.0\n", "must be a whole number", "peer.toml"),
+        ("[averaging]\nouter_lr = inf\n", "--outer-lr (averaging.outer_lr) = inf", "peer.toml"),
+        (b"\x00\xff\xfe garbage \x89PNG", "is not a text file", "peer.toml"),
+        ("training:\n  batch_size: 4\n  batch_size: 8\n", "duplicate key 'batch_size'", "peer.yaml"),
+        ('a: &a ["x","x","x"]\nb: &b [*a,*a,*a]\nc: [*b,*b,*b]\n', "aliases (*name) are not allowed", "peer.yaml"),
+        (b"\x00\xff\xfe garbage", "is not a text file", "peer.yaml"),
     ],
 )
-def test_bad_config_file_shape(capsys, tmp_path, content, expected):
-    config = tmp_path / "peer.toml"
-    config.write_text(content)
+def test_bad_config_file_shape(capsys, tmp_path, content, expected, name):
+    config = tmp_path / name
+    config.write_bytes(content if isinstance(content, bytes) else content.encode())
     code, output = run_cli(capsys, ["start", "--config", str(config)])
     assert_one_line_error(code, output, expected)
 
