@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,15 @@ def test_example_custom_task_learns(monkeypatch):
     with torch.no_grad():
         accuracy = (model(points).argmax(dim=1) == labels).float().mean().item()
     assert accuracy > 0.85
+
+
+def test_a_task_module_in_the_current_directory_is_found_as_the_readme_says(monkeypatch):
+    """`peer start --task examples.custom_task:make_task` from the repository root: the console script's
+    sys.path holds its own directory, not the current one."""
+    repo_root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(repo_root)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(repo_root))])
+    for name in [name for name in sys.modules if name == "examples" or name.startswith("examples.")]:
+        monkeypatch.delitem(sys.modules, name)
+    task = load_task("examples.custom_task:make_task")
+    assert isinstance(task, Task)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
+import sys
 from typing import Callable, Dict
 
 from peer.tasks.base import Task
@@ -40,8 +42,15 @@ def load_task(name: str) -> Task:
             f"or 'module:function' returning a peer.tasks.Task"
         )
     module_name, _, function_name = name.partition(":")
+    # as `python -m` does, so that `peer start --task mymodule:make` finds ./mymodule.py; appended, so that a
+    # local file never shadows an installed package
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
+    except SystemExit as e:
+        raise TaskLoadError(f"--task: importing {module_name!r} called sys.exit({e.code!r}); "
+                            f"a task module must not exit when imported") from e
     except Exception as e:  # a user's module can raise anything on import
         raise TaskLoadError(
             f"--task: cannot import module {module_name!r} ({type(e).__name__}: {e}); "
@@ -52,6 +61,9 @@ def load_task(name: str) -> Task:
         raise TaskLoadError(f"--task: module {module_name!r} has no callable {function_name!r}")
     try:
         task = factory()
+    except SystemExit as e:
+        raise TaskLoadError(
+            f"--task: {name}() called sys.exit({e.code!r}) instead of returning a peer.tasks.Task") from e
     except Exception as e:
         raise TaskLoadError(f"--task: {name}() raised {type(e).__name__}: {e}") from e
     if not isinstance(task, Task):
