@@ -19,6 +19,7 @@ from hivemind.dht.protocol import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 from dht.config import DHTConfig
 from dht.identity import IdentityError, ensure_identity, is_private
+from dht.sockets import use_private_socket_dir
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def start_dht(
 
     :param identity_path: key file for a stable peer ID; default: config.identity
     """
+    use_private_socket_dir()
     identity = identity_path if identity_path is not None else config.identity
     if identity is not None:
         try:

@@ -66,6 +66,18 @@ class LoadedCheckpoint:
     """Exactly what was passed to save(), with every tensor on the CPU."""
 
 
+def _first_non_finite(value, where: str = "state") -> Optional[str]:
+    """Where the first floating-point tensor holding NaN or Inf sits in a nested state, or None."""
+    if isinstance(value, torch.Tensor):
+        return where if value.is_floating_point() and not bool(torch.isfinite(value).all()) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        found = _first_non_finite(item, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None
+
+
 class _Corrupt(Exception):
     """A checkpoint file failed verification; the message is the reason."""
 
@@ -98,6 +110,10 @@ class CheckpointStore:
             raise TypeError(f"checkpoint state must be a dict (got {type(state).__name__})")
         if isinstance(global_epoch, bool) or not isinstance(global_epoch, int) or global_epoch < 0:
             raise ValueError(f"global_epoch must be an integer >= 0 (got {global_epoch!r})")
+        bad = _first_non_finite(state)
+        if bad is not None:  # resuming from it would only carry the divergence on
+            raise CheckpointError(f"refusing to write a checkpoint holding NaN or Inf (in {bad}); "
+                                  f"the earlier checkpoints are kept")
         with self._lock:
             existing = self._scan_for_save()
             sequence = existing[-1][0][0] + 1 if existing else 1

@@ -371,3 +371,15 @@ def test_a_directory_that_cannot_be_created_again_raises_checkpoint_error(tmp_pa
     with pytest.raises(CheckpointError, match=r"cannot use checkpoint directory .*ckpt: .*\(ENOTDIR\)") as raised:
         store.save(small_state(1), global_epoch=1)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_state_holding_nan_or_inf_is_never_written(tmp_path, poison):
+    store = CheckpointStore(tmp_path)
+    good = store.save({"model": {"w": torch.ones(3)}, "step": 1}, global_epoch=1)
+    bad_weights = torch.ones(3)
+    bad_weights[1] = poison
+    with pytest.raises(CheckpointError, match=r"NaN or Inf \(in state\['optimizer'\]\['state'\]\[0\]\['exp_avg'\]\)"):
+        store.save({"model": {"w": torch.ones(3)}, "optimizer": {"state": [{"exp_avg": bad_weights}]}}, global_epoch=2)
+    assert store.list() == [good]
+    assert torch.equal(store.load_latest().state["model"]["w"], torch.ones(3))
