@@ -113,6 +113,16 @@ class DHTConfig(BaseModel):
             check_multiaddr(maddr)
         return value
 
+    @field_validator("announce_maddrs")
+    @classmethod
+    def _announceable(cls, value: List[str]) -> List[str]:
+        for maddr in value:
+            parts = maddr.split("/")
+            if len(parts) >= 5 and parts[3] in ("tcp", "udp") and parts[4] == "0":
+                raise ValueError(f"{maddr} announces port 0, which nobody can connect to; announce the port this "
+                                 f"peer listens on (give --host-maddrs a fixed port, e.g. /tcp/31337)")
+        return value
+
     @field_validator("initial_peers_file", "identity", "swarm_key")
     @classmethod
     def _usable_file(cls, value: Optional[Path], info: ValidationInfo) -> Optional[Path]:

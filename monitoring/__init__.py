@@ -1,6 +1,6 @@
 """Monitoring: phase timing, metrics, bottleneck classification and the metrics endpoint. Imports nothing of ours."""
 from monitoring.classifier import BottleneckChange, BottleneckClassifier
-from monitoring.exporter import MetricsExporter, MetricsPortInUseError
+from monitoring.exporter import MetricsBindError, MetricsExporter
 from monitoring.health import HealthCheck
 from monitoring.metrics import CONTRACT_METRIC_NAMES, CONTRACT_METRICS, ROUND_OUTCOMES, PeerMetrics
 from monitoring.phases import CATEGORIES, CATEGORY_OF_PHASE, PHASES, PhaseTimer
@@ -16,7 +16,7 @@ __all__ = [
     "BottleneckClassifier",
     "HealthCheck",
     "MetricsExporter",
-    "MetricsPortInUseError",
+    "MetricsBindError",
     "PeerMetrics",
     "PhaseTimer",
 ]

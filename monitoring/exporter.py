@@ -20,7 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from monitoring.health import HealthCheck
 
-__all__ = ["HealthCheck", "HealthFn", "MetricsExporter", "MetricsPortInUseError"]
+__all__ = ["HealthCheck", "HealthFn", "MetricsExporter", "MetricsBindError"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,9 @@ HealthFn = Callable[[], Tuple[bool, str]]
 STOP_TIMEOUT_SECONDS = 5.0
 
 
-class MetricsPortInUseError(OSError):
-    """The metrics port is taken by another process (or another peer on this machine)."""
+class MetricsBindError(OSError):
+    """The metrics endpoint cannot listen where it was told: the port is taken (by another process, or another
+    peer on this machine), the host is not an address of this machine, or the port needs privileges."""
 
 
 def _always_healthy() -> Tuple[bool, str]:
@@ -58,20 +59,14 @@ class MetricsExporter:
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> int:
-        """Bind and start serving; returns the bound port. Raises MetricsPortInUseError if the port is taken."""
+        """Bind and start serving; returns the bound port. Raises MetricsBindError if it cannot listen there."""
         if self._server is not None:
             raise RuntimeError("metrics exporter is already started")
         try:
             server_class = _Server6 if ":" in self.host else _Server
             server = server_class((self.host, self.port), _Handler)
         except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise MetricsPortInUseError(
-                    errno.EADDRINUSE,
-                    f"metrics port {self.port} on {self.host} is already in use; choose another port with "
-                    f"--metrics-port, or --metrics-port 0 to pick a free one",
-                ) from e
-            raise
+            raise MetricsBindError(e.errno, self._why_not(e)) from e
         server.exporter = self
         self._server = server
         self._thread = threading.Thread(
@@ -81,6 +76,19 @@ class MetricsExporter:
         bound_port = server.server_address[1]
         logger.info("serving /metrics and /healthz on http://%s:%d", self.host, bound_port)
         return bound_port
+
+    def _why_not(self, error: OSError) -> str:
+        if error.errno == errno.EADDRINUSE:
+            return (f"metrics port {self.port} on {self.host} is already in use; choose another port with "
+                    f"--metrics-port, or --metrics-port 0 to pick a free one")
+        if error.errno == errno.EADDRNOTAVAIL:
+            return (f"--metrics-host {self.host} is not an address of this machine; use 0.0.0.0 (every interface), "
+                    f"127.0.0.1 (this machine only) or one of its own addresses")
+        if error.errno == errno.EACCES:
+            return (f"metrics port {self.port} needs root (ports below 1024 are privileged); choose a port above 1023 "
+                    f"with --metrics-port")
+        return (f"cannot serve metrics on {self.host}:{self.port} ({error.strerror or error}); "
+                f"fix --metrics-host / --metrics-port, or --metrics-port off")
 
     @property
     def bound_port(self) -> Optional[int]:

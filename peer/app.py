@@ -14,7 +14,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from dht.node import DHTStartCancelled, DHTStartError, visible_maddrs
+from dht.node import DHTStartCancelled, DHTStartError, check_listen_addresses, visible_maddrs
 from peer import lifeline
 from peer.builder import PeerBuilder
 from peer.checkpoint import CheckpointError
@@ -23,6 +23,7 @@ from peer.data import resolve_device
 from peer.exit_codes import BadInput, ExitCode
 from peer.logs import setup_logging
 from peer.manifest import ManifestUnreadable
+from peer.outputs import check_output_paths
 from peer.signals import StopRequest, start_shared_memory_manager
 from peer.tasks import TaskLoadError, load_task
 from peer.trainer import Trainer, TrainingDiverged
@@ -77,9 +78,12 @@ def run_peer(config: PeerConfig) -> int:
 
 def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerRun) -> tuple:
     try:
+        # what this machine must allow, before anything is built or joined
+        check_output_paths(config.checkpoint.checkpoint_dir, config.logging.summary_json)
+        check_listen_addresses(config.dht.host_maddrs)
         task = load_task(config.training.task)
         device = resolve_device(config.training.device)
-    except (TaskLoadError, RuntimeError) as e:
+    except (TaskLoadError, RuntimeError, ValueError) as e:
         raise BadInput(str(e)) from e
     builder.lock_checkpoint_dir()  # a second peer on this directory leaves before it joins anything
     averaging = config.averaging

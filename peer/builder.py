@@ -31,8 +31,8 @@ from dht.records import PeerInfo, PeerInfoPublisher, RecordPublisher, record_val
 from monitoring import (
     BottleneckClassifier,
     HealthCheck,
+    MetricsBindError,
     MetricsExporter,
-    MetricsPortInUseError,
     PeerMetrics,
     PhaseTimer,
 )
@@ -144,7 +144,7 @@ class PeerBuilder:
             exporter = MetricsExporter(registry, config.metrics_port, config.metrics_host, health=health)
             try:
                 monitoring.port = exporter.start()
-            except MetricsPortInUseError as e:
+            except MetricsBindError as e:
                 raise BadInput(str(e)) from e
             self.stack.callback(exporter.stop)
             logger.info(f"metrics on http://{config.metrics_host}:{monitoring.port}/metrics")

@@ -47,7 +47,7 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
     from prometheus_client import CollectorRegistry
 
     from dht.node import quiet_dht_logs, shutdown_dht
-    from monitoring import HealthCheck, MetricsExporter, MetricsPortInUseError
+    from monitoring import HealthCheck, MetricsBindError, MetricsExporter
     from monitoring.swarm_metrics import SwarmCollector
     from peer import lifeline
     from peer.logs import setup_logging, silence_hivemind
@@ -67,7 +67,7 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
     try:
         try:
             port = exporter.start()
-        except MetricsPortInUseError as e:
+        except MetricsBindError as e:
             click.echo(f"error: {e}", err=True)
             return ExitCode.BAD_INPUT
         logger.info(f"swarm metrics on http://{config.monitoring.metrics_host}:{port}/metrics")

@@ -57,7 +57,7 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "swarm_key": [lambda t: _file(t, "swarm.key", "short"), lambda t: str(t / "missing.key"), lambda t: "/dev/zero",
                   lambda t: _fifo(t, "swarm.key")],
     "host_maddrs": [lambda t: "0.0.0.0:31337"],
-    "announce_maddrs": [lambda t: "/ip4/1.2.3.4/tcp/port"],
+    "announce_maddrs": [lambda t: "/ip4/1.2.3.4/tcp/port", lambda t: "/ip4/1.2.3.4/tcp/0"],
     "client_mode": [lambda t: "perhaps"],
     "startup_timeout_seconds": [lambda t: "0"],
     "startup_attempts": [lambda t: "0"],
@@ -239,6 +239,25 @@ def test_bad_task_exits_2_without_traceback(tmp_path, module_source, task, expec
     assert [line for line in output.splitlines() if line.startswith("error: ")] == [
         line for line in output.splitlines() if expected in line
     ]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--metrics-host", "8.8.8.8"], "--metrics-host 8.8.8.8 is not an address of this machine"),
+        (["--host-maddrs", "/ip4/8.8.8.8/tcp/0"], "8.8.8.8 is not an address of this machine"),
+        (["--checkpoint-dir", "{tmp}/a-file/ckpt"], "--checkpoint-dir {tmp}/a-file/ckpt is not a directory this peer"),
+        (["--summary-json", "{tmp}/a-file/summary.json"], "--summary-json: the directory of {tmp}/a-file is not"),
+    ],
+)
+def test_what_this_machine_cannot_do_is_bad_input_found_before_joining(tmp_path, args, expected):
+    (tmp_path / "a-file").write_text("a regular file, where a directory is needed")
+    result = run_peer_process(tmp_path, "--task", "bytelm-tiny", "--metrics-port", "0",
+                              *[arg.format(tmp=tmp_path) for arg in args])
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert expected.format(tmp=tmp_path) in output and "Traceback" not in output
+    assert "peer id" not in output  # found before the DHT started
 
 
 def test_metrics_port_in_use_exits_2(tmp_path):

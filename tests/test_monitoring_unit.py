@@ -26,8 +26,8 @@ from monitoring import (
     BottleneckChange,
     BottleneckClassifier,
     HealthCheck,
+    MetricsBindError,
     MetricsExporter,
-    MetricsPortInUseError,
     PeerMetrics,
     PhaseTimer,
 )
@@ -429,7 +429,7 @@ def test_exporter_reports_a_failing_health_callable_as_unhealthy():
 
 def test_a_busy_port_raises_a_clear_error(exporter_setup):
     second = MetricsExporter(CollectorRegistry(), port=exporter_setup.port, host="127.0.0.1")
-    with pytest.raises(MetricsPortInUseError) as info:
+    with pytest.raises(MetricsBindError) as info:
         second.start()
     assert isinstance(info.value, OSError)
     assert f"metrics port {exporter_setup.port}" in str(info.value)
