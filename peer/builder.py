@@ -49,6 +49,7 @@ from peer.session import SwarmSession
 from peer.signals import StopRequest
 from peer.summary import PeerSummary
 from peer.tasks import Task
+from peer.tasks.contract import TaskContractError, call_task, check_task
 from peer.trainer import RoundTally, Trainer, TrainingObserver, seed_from_run_id
 from peer.version import __version__
 
@@ -181,11 +182,18 @@ class PeerBuilder:
         self.lock_checkpoint_dir()  # before the first checkpoint is read
         store = CheckpointStore(config.checkpoint.checkpoint_dir, keep=config.checkpoint.keep_checkpoints)
         torch.manual_seed(seed_from_run_id(config.training.run_id))
-        model = task.build_model().to(device)
+        where = f"--task {task.name}"
+        model = call_task(where, "build_model()", task.build_model).to(device)
+        train_set = call_task(where, "build_train_dataset()", task.build_train_dataset)
+        val_set = call_task(where, "build_val_dataset()", task.build_val_dataset)
+        batch_size = config.training.batch_size or task.batch_size
+        try:
+            check_task(task, model, train_set, val_set, batch_size, device, config.averaging.average_opt_statistics)
+        except TaskContractError as e:
+            raise BadInput(str(e)) from e
         checkpoint = restore_model(store, config, task.name, model)
         # before the optimizer: a mismatched peer must never count toward the swarm
         self._join_run(dht, task.name, model)
-        batch_size = config.training.batch_size or task.batch_size
         payload_bytes = round_payload_bytes(config.averaging, list(model.parameters()),
                                             opt_statistics=len(config.averaging.average_opt_statistics))
         rounds = RoundTally(summary, monitoring.observer, payload_bytes)
@@ -199,9 +207,9 @@ class PeerBuilder:
         self.stack.callback(self._leave_training, dht, optimizer, session)
         restore_optimizer(checkpoint, optimizer, summary)
         training = config.training
-        train_loader = make_loader(task.build_train_dataset(), batch_size=batch_size, workers=training.data_workers,
+        train_loader = make_loader(train_set, batch_size=batch_size, workers=training.data_workers,
                                    seed=training.seed, collate_fn=task.collate_fn)
-        val_loader = make_loader(task.build_val_dataset(), batch_size=batch_size, workers=0, seed=0,
+        val_loader = make_loader(val_set, batch_size=batch_size, workers=0, seed=0,
                                  collate_fn=task.collate_fn, shuffle=False)
         trainer = Trainer(
             config, task, model, optimizer, train_loader, val_loader, device=device, session=session, rounds=rounds,

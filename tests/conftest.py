@@ -27,8 +27,8 @@ def spawn(tmp_path: Path) -> Iterator:
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--soak-seconds", type=float, default=120.0,
-                     help="How long the churn soak kills and restarts peers (default: 120, as in CI).")
+    parser.addoption("--soak-seconds", type=float, default=90.0,
+                     help="How long the churn soak kills and restarts peers (default: 90, as in CI).")
 
 
 @pytest.fixture

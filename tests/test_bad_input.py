@@ -227,6 +227,11 @@ def run_peer_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         (None, "no_such_module_anywhere:make_task", "cannot import module 'no_such_module_anywhere'"),
         ("raise RuntimeError('broken on import')\n", "broken_task:make_task", "RuntimeError: broken on import"),
         ("def make_task():\n    return 42\n", "broken_task:make_task", "returned int, expected peer.tasks.Task"),
+        ("import sys\ndef make_task():\n    sys.exit(0)\n", "broken_task:make_task", "called sys.exit(0) instead"),
+        ("import sys\nsys.exit(3)\n", "broken_task:make_task", "importing 'broken_task' called sys.exit(3)"),
+        ("import dataclasses\nfrom peer.tasks import load_task\ndef make_task():\n"
+         "    return dataclasses.replace(load_task('bytelm-tiny'), build_train_dataset=lambda: [])\n",
+         "broken_task:make_task", "build_train_dataset() holds 0 samples, fewer than one batch"),
     ],
 )
 def test_bad_task_exits_2_without_traceback(tmp_path, module_source, task, expected):
