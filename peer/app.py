@@ -31,6 +31,7 @@ from peer.version import __version__
 
 logger = logging.getLogger("peer")
 
+EXIT_DEADLINE_SECONDS = 10.0
 SHUTDOWN_DEADLINE_SECONDS = 25.0
 
 
@@ -73,6 +74,7 @@ def run_peer(config: PeerConfig) -> int:
     finally:
         with shutdown_deadline(SHUTDOWN_DEADLINE_SECONDS):
             finish(config, run, stack)
+    arm_exit_deadline(EXIT_DEADLINE_SECONDS, run.code)
     return run.code
 
 
@@ -163,6 +165,22 @@ def shutdown_deadline(seconds: float) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+
+
+def arm_exit_deadline(seconds: float, code: int) -> None:
+    """Once the peer has stopped, the process ends within `seconds` with `code`.
+
+    Python joins every non-daemon thread before it exits; one that a library left waiting (hivemind's, after a
+    crash half-way through building its optimizer) would keep the process alive for ever, holding its ports.
+    """
+    def give_up() -> None:
+        logger.error(f"a background thread kept the process alive {seconds:.0f}s after the peer stopped; exiting now")
+        lifeline.kill_descendants()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
 
 
 def _give_up_shutdown(seconds: float) -> None:

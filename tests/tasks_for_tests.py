@@ -303,3 +303,31 @@ def make_clock_ahead_task() -> Task:
         if getattr(module, "get_dht_time", None) is true_time:
             module.get_dht_time = jumping_time
     return load_task("bytelm-tiny")
+
+
+class StageFailure(RuntimeError):
+    """Raised on purpose by make_failing_task."""
+
+
+def make_failing_task() -> Task:
+    """bytelm-tiny raising at FAIL_AT: "scheduler" (while hivemind builds its state averager) or "first_step"
+    (the first training batch, after the averagers have started; the contract check's call is let through)."""
+    import dataclasses
+
+    from peer.tasks import load_task
+
+    stage, base = os.environ["FAIL_AT"], load_task("bytelm-tiny")
+    calls = []
+
+    def failing_scheduler(optimizer):
+        raise StageFailure("failing at scheduler")
+
+    def failing_loss(model, batch):
+        calls.append(1)
+        if len(calls) > 1:
+            raise StageFailure("failing at first_step")
+        return base.loss_fn(model, batch)
+
+    if stage == "scheduler":
+        return dataclasses.replace(base, build_scheduler=failing_scheduler)
+    return dataclasses.replace(base, loss_fn=failing_loss)

@@ -282,3 +282,18 @@ def test_status_and_monitor_take_and_check_the_swarm_key(capsys, tmp_path, comma
     code, output = run_cli(capsys, [command, "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--swarm-key",
                                     str(tmp_path / "missing.key")])
     assert_one_line_error(code, output, "--swarm-key", "missing.key")
+
+
+@pytest.mark.parametrize("stage", ["scheduler", "first_step"])
+def test_a_crash_at_any_stage_of_start_up_ends_the_process_with_one_line(tmp_path, stage):
+    """The subprocess timeout is the bound: a peer that hangs after its crash fails the test."""
+    result = subprocess.run(
+        [sys.executable, "-m", "peer", "start", "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-port", "0",
+         "--task", "tests.tasks_for_tests:make_failing_task", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+        capture_output=True, text=True, timeout=90, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "FAIL_AT": stage},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert output.count(f"peer failed: StageFailure: failing at {stage}") == 1 and "Traceback" not in output, output
+    assert "peer stopped (crashed)" in output
