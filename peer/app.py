@@ -83,7 +83,7 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
         # what this machine must allow, before anything is built or joined
         check_output_paths(config.checkpoint.checkpoint_dir, config.logging.summary_json)
         check_listen_addresses(config.dht.host_maddrs)
-        task = load_task(config.training.task)
+        task = load_task(config.training.task, config.training.task_timeout_seconds)
         device = resolve_device(config.training.device)
     except (TaskLoadError, RuntimeError, ValueError) as e:
         raise BadInput(str(e)) from e

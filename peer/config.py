@@ -48,6 +48,8 @@ class TrainingConfig(BaseModel):
     )
     task: str = Field(default="bytelm", min_length=1, max_length=256,
                       description="Built-in task name or module:function.")
+    task_timeout_seconds: float = Field(
+        default=300.0, gt=0, description="Give up on a --task that takes longer than this to import and build.")
     batch_size: Optional[int] = Field(default=None, ge=1, description="Samples per local step (default: the task's).")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto picks cuda when available.")
     max_epochs: Optional[int] = Field(default=None, ge=1, description="Exit 0 once this global epoch is reached.")

@@ -37,6 +37,7 @@ def _fifo(tmp: Path, name: str) -> str:
 BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "run_id": [lambda t: "has space", lambda t: "dots.are.not.allowed", lambda t: "r" * 100_000],
     "task": [lambda t: ""],
+    "task_timeout_seconds": [lambda t: "0", lambda t: "nan"],
     "batch_size": [lambda t: "0", lambda t: "eight"],
     "device": [lambda t: "tpu"],
     "max_epochs": [lambda t: "0", lambda t: "1.5"],
@@ -229,6 +230,7 @@ def run_peer_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         ("def make_task():\n    return 42\n", "broken_task:make_task", "returned int, expected peer.tasks.Task"),
         ("import sys\ndef make_task():\n    sys.exit(0)\n", "broken_task:make_task", "called sys.exit(0) instead"),
         ("import sys\nsys.exit(3)\n", "broken_task:make_task", "importing 'broken_task' called sys.exit(3)"),
+        ("import time\ntime.sleep(3600)\n", "broken_task:make_task", "took longer than --task-timeout-seconds 3"),
         ("import dataclasses\nfrom peer.tasks import load_task\ndef make_task():\n"
          "    return dataclasses.replace(load_task('bytelm-tiny'), build_train_dataset=lambda: [])\n",
          "broken_task:make_task", "build_train_dataset() holds 0 samples, fewer than one batch"),
@@ -237,7 +239,7 @@ def run_peer_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_bad_task_exits_2_without_traceback(tmp_path, module_source, task, expected):
     if module_source is not None:
         (tmp_path / "broken_task.py").write_text(module_source)
-    result = run_peer_process(tmp_path, "--task", task, "--metrics-port", "0")
+    result = run_peer_process(tmp_path, "--task", task, "--metrics-port", "0", "--task-timeout-seconds", "3")
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert expected in output and "Traceback" not in output

@@ -5,7 +5,8 @@ import difflib
 import importlib
 import os
 import sys
-from typing import Callable, Dict
+import threading
+from typing import Callable, Dict, Optional
 
 from peer.tasks.base import Task
 
@@ -30,8 +31,35 @@ BUILTIN_TASKS: Dict[str, Callable[[], Task]] = {
 DEFAULT_TASK = "bytelm"
 
 
-def load_task(name: str) -> Task:
-    """Build the task named `name`; raise TaskLoadError with a one-line reason on failure."""
+def load_task(name: str, timeout_seconds: Optional[float] = None) -> Task:
+    """Build the task named `name`; raise TaskLoadError with a one-line reason on failure.
+
+    :param timeout_seconds: a module that hangs on import, or a factory that never returns, is reported after
+        this long (the work goes on in a daemon thread, which the exiting process abandons)
+    """
+    if timeout_seconds is None:
+        return _load_task(name)
+    outcome: list = []
+
+    def load() -> None:
+        try:
+            outcome.append(_load_task(name))
+        except BaseException as e:  # handed to the caller's thread, whatever it is
+            outcome.append(e)
+
+    worker = threading.Thread(target=load, name="load-task", daemon=True)
+    worker.start()
+    worker.join(timeout_seconds)
+    if not outcome:
+        raise TaskLoadError(f"--task {name}: importing and building it took longer than --task-timeout-seconds "
+                            f"{timeout_seconds:g}; a module that waits at import (on the network, a lock, input) "
+                            f"hangs here: fix it, or raise --task-timeout-seconds for a task that is slow to build")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
+def _load_task(name: str) -> Task:
     if name in BUILTIN_TASKS:
         return BUILTIN_TASKS[name]()
     if ":" not in name:
