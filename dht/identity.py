@@ -10,10 +10,12 @@ silently breaks every --initial-peers line that names it.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Dict
 
 from dht.files import InputFileError, read_input_file
 
@@ -65,6 +67,34 @@ def ensure_identity(path: Path) -> str:
     if not path.exists():
         _create_key_file(path)
     return read_identity(path)
+
+
+class IdentityInUse(IdentityError):
+    """Another running process holds the key file: two peers with one identity would fight over one peer id."""
+
+
+_held_identities: Dict[str, int] = {}  # resolved path -> the descriptor holding its lock, for the process's life
+
+
+def lock_identity(path: Path) -> None:
+    """Take the key file for this process (an exclusive flock, released when the process exits); idempotent.
+
+    :raises IdentityInUse: another process holds it
+    """
+    key = str(Path(path).resolve())
+    if key in _held_identities:
+        return
+    fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise IdentityInUse(f"identity file {path} is in use by another running peer on this machine; give each "
+                            f"peer its own --identity (a path that does not exist yet creates a new one)") from None
+    except OSError:  # a filesystem without locks: go on without this check
+        os.close(fd)
+        return
+    _held_identities[key] = fd
 
 
 def is_private(path: Path) -> bool:

@@ -20,7 +20,7 @@ import psutil
 from hivemind.dht.protocol import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 from dht.config import DHTConfig
-from dht.identity import IdentityError, ensure_identity, is_private
+from dht.identity import IdentityError, IdentityInUse, ensure_identity, is_private, lock_identity
 from dht.sockets import use_private_socket_dir
 
 logger = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ def start_dht(
     if identity is not None:
         try:
             peer_id = ensure_identity(Path(identity))
+            lock_identity(Path(identity))
+        except IdentityInUse:
+            raise
         except IdentityError as e:
             raise DHTStartError(str(e)) from e
         if not is_private(Path(identity)):

@@ -24,6 +24,7 @@ from averaging.compression import round_payload_bytes
 from averaging.factory import build_swarm_optimizer, progress_record_ttl_seconds
 from averaging.progress import clock_skew_allowed
 from dht.clock import ClockRecordPublisher
+from dht.identity import IdentityInUse
 from dht.keys import SwarmKeys
 from dht.manifest import MANIFEST_TTL_SECONDS, REFRESH_PERIOD_SECONDS, agreed_manifest, read_manifests
 from dht.node import DHTStartCancelled, quiet_dht_logs, shutdown_dht, start_dht
@@ -153,8 +154,11 @@ class PeerBuilder:
 
     def dht(self) -> hivemind.DHT:
         """The run's DHT node, with its record validators; retried, and abandoned on a stop request."""
-        dht = start_dht(self.config.dht, record_validators=record_validators(self.keys),
-                        sleep=self.stop.wait, cancelled=lambda: bool(self.stop))
+        try:
+            dht = start_dht(self.config.dht, record_validators=record_validators(self.keys),
+                            sleep=self.stop.wait, cancelled=lambda: bool(self.stop))
+        except IdentityInUse as e:
+            raise BadInput(str(e)) from e
         self.stack.callback(self._leave_dht, dht)
         return dht
 

@@ -66,7 +66,7 @@ def test_unreadable_peers_file(tmp_path: Path):
     peers_file = tmp_path / "peers.d"
     peers_file.mkdir()  # unreadable as a file even for root, unlike a chmod 0 file
     [problem] = problems_of(flags={"initial_peers_file": str(peers_file)})
-    assert f"cannot read {peers_file}" in problem
+    assert f"{peers_file} is a directory; give the path of a file" in problem
 
 
 def test_corrupt_identity_is_reported_at_load_and_left_untouched(tmp_path: Path):

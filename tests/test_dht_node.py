@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import re
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import hivemind
@@ -12,11 +14,12 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from dht.config import DHTConfig
+from dht.identity import IdentityInUse, ensure_identity
 from dht.keys import SwarmKeys
 from dht.node import DHTStartError, clock_offset_from, shutdown_dht, start_dht, visible_maddrs
 from dht.records import record_validators
 from peer.config import load_config
-from tests.peers import session_processes
+from tests.peers import REPO_ROOT, session_processes
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 FAST = dict(host_maddrs=LOCAL, startup_timeout_seconds=20.0)
@@ -122,6 +125,23 @@ def test_a_clock_offset_is_read_only_from_hivemind_s_clock_refusal():
     refusal = ValueError("local time must be within 3 seconds  of others(local: 1700003600.5, peer: 1700000000.5)")
     assert clock_offset_from(refusal) == 3600.0
     assert clock_offset_from(TimeoutError("not ready within --startup-timeout-seconds 20")) is None
+
+
+@pytest.mark.timeout(60)
+def test_an_identity_another_running_peer_holds_is_refused_at_once(tmp_path: Path):
+    key = tmp_path / "identity.key"
+    ensure_identity(key)
+    holder = subprocess.Popen(  # another peer on this machine, started with the same --identity
+        [sys.executable, "-c", "import sys, time\nfrom dht.identity import lock_identity\n"
+                               "lock_identity(sys.argv[1]); print('held', flush=True); time.sleep(60)", str(key)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(IdentityInUse, match=r"identity file .* is in use by another running peer"):
+            start_dht(DHTConfig(identity=key, startup_attempts=3, **FAST))
+    finally:
+        holder.kill()
+        holder.wait(10)
 
 
 def session_p2pds():
