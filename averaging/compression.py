@@ -75,6 +75,12 @@ def payload_bytes(tensors: Iterable[torch.Tensor], codec: CompressionBase) -> in
     return total
 
 
+def max_useful_powersgd_rank(param: torch.Tensor, min_compression_ratio: float = 0.5) -> int:
+    """The highest rank at which hivemind's PowerSGD still compresses this matrix (powersgd_factors' rule)."""
+    m, n = get_flatten_greedy_dims(param)
+    return int((1 - min_compression_ratio) * param.numel() // (m + n))
+
+
 def powersgd_factors(
     params: Sequence[torch.Tensor], rank: int, min_compression_ratio: float = 0.5
 ) -> List[torch.Tensor]:
@@ -84,11 +90,10 @@ def powersgd_factors(
     """
     sent: List[torch.Tensor] = []
     for param in params:
-        if param.ndim > 1:
+        if param.ndim > 1 and rank <= max_useful_powersgd_rank(param, min_compression_ratio):
             m, n = get_flatten_greedy_dims(param)
-            if 1 - rank * (m + n) / param.numel() >= min_compression_ratio:
-                sent += [torch.zeros(m, rank), torch.zeros(n, rank)]
-                continue
+            sent += [torch.zeros(m, rank), torch.zeros(n, rank)]
+            continue
         sent.append(torch.zeros(param.shape))
     return sent
 

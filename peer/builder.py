@@ -192,7 +192,8 @@ class PeerBuilder:
         val_set = call_task(where, "build_val_dataset()", task.build_val_dataset)
         batch_size = config.training.batch_size or task.batch_size
         try:
-            check_task(task, model, train_set, val_set, batch_size, device, config.averaging.average_opt_statistics)
+            check_task(task, model, train_set, val_set, batch_size, device, config.averaging.average_opt_statistics,
+                       config.averaging.powersgd_rank if config.averaging.strategy == "powersgd" else None)
         except TaskContractError as e:
             raise BadInput(str(e)) from e
         checkpoint = restore_model(store, config, task.name, model)

@@ -14,10 +14,10 @@ GOOD = dict(name="mlp", build_model=lambda: _mlp(8, 1), build_train_dataset=lamb
             build_val_dataset=lambda: SyntheticDataset(16), loss_fn=mse_loss, build_optimizer=sgd, batch_size=8)
 
 
-def check(statistics=(), batch_size=8, **broken) -> None:
+def check(statistics=(), batch_size=8, powersgd_rank=None, **broken) -> None:
     task = Task(**{**GOOD, **broken})
     check_task(task, task.build_model(), task.build_train_dataset(), task.build_val_dataset(), batch_size, CPU,
-               statistics)
+               statistics, powersgd_rank)
 
 
 def test_a_task_that_keeps_the_contract_passes_and_its_model_is_left_as_built():
@@ -53,3 +53,10 @@ def test_an_optimizer_statistic_the_optimizer_does_not_keep_is_named_with_those_
     with pytest.raises(TaskContractError, match=r"--average-opt-statistics nonexistent_stat: not in the state of Adam"
                                                 r".*it keeps: exp_avg, exp_avg_sq\)"):
         check(statistics=("exp_avg", "nonexistent_stat"), **adam)
+
+
+def test_a_powersgd_rank_that_compresses_no_matrix_of_the_model_is_refused_with_the_highest_useful_one():
+    # _mlp(8, 1): Linear(32, 8) is the largest matrix; 8 x 32 = 256 elements, halved at rank 256 / 2 / 40 = 3
+    check(powersgd_rank=3)
+    with pytest.raises(TaskContractError, match=r"--powersgd-rank 4 compresses none of the matrices .* at most 3$"):
+        check(powersgd_rank=4)

@@ -7,11 +7,12 @@ function at fault and the fix (exit 2).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from averaging.compression import max_useful_powersgd_rank
 from peer.data import move_to
 from peer.tasks.base import Task
 from peer.tasks.registry import TaskLoadError
@@ -22,8 +23,9 @@ class TaskContractError(TaskLoadError):
 
 
 def check_task(task: Task, model: torch.nn.Module, train: Dataset, val: Dataset, batch_size: int,
-               device: torch.device, opt_statistics: Sequence[str] = ()) -> None:
-    """:raises TaskContractError: the first broken rule"""
+               device: torch.device, opt_statistics: Sequence[str] = (), powersgd_rank: Optional[int] = None) -> None:
+    """:param powersgd_rank: with --averaging powersgd, the rank, which must compress some matrix of the model
+    :raises TaskContractError: the first broken rule"""
     where = f"--task {task.name}"
     params = list(model.parameters())
     if not any(param.requires_grad for param in params):
@@ -35,6 +37,8 @@ def check_task(task: Task, model: torch.nn.Module, train: Dataset, val: Dataset,
         raise TaskContractError(f"{where}: build_optimizer(parameters) returned an optimizer over other tensors than "
                                 f"the parameters it was given; optimize exactly those (e.g. torch.optim.AdamW(params))")
     _check_statistics(where, task, opt_statistics)
+    if powersgd_rank is not None:
+        _check_powersgd_rank(where, params, powersgd_rank)
     for kind, dataset, needed in (("train", train, batch_size), ("val", val, 1)):
         size = len(dataset)
         if size < needed:
@@ -56,6 +60,19 @@ def check_task(task: Task, model: torch.nn.Module, train: Dataset, val: Dataset,
     if not bool(torch.isfinite(loss)):
         raise TaskContractError(f"{where}: loss_fn(model, batch) is {float(loss)} on the first batch, before any "
                                 f"training; check the model's initialization and the loss")
+
+
+def _check_powersgd_rank(where: str, params: Sequence[torch.Tensor], rank: int) -> None:
+    """hivemind compresses a matrix only when the rank is low enough to halve it: a rank too high for every
+    matrix of the model would average uncompressed gradients under the name of PowerSGD."""
+    useful = max((max_useful_powersgd_rank(param) for param in params if param.ndim > 1), default=0)
+    if not useful:
+        raise TaskContractError(f"--averaging powersgd: the model of {where} has no matrix to compress; "
+                                f"use --averaging sync")
+    if rank > useful:
+        raise TaskContractError(f"--powersgd-rank {rank} compresses none of the matrices of the model of {where} (a "
+                                f"matrix is compressed only when rank x (rows + columns) is at most half its size); "
+                                f"choose at most {useful}")
 
 
 def _check_statistics(where: str, task: Task, names: Sequence[str]) -> None:
