@@ -61,9 +61,8 @@ class ClockRecordPublisher(RecordPublisher):
 class ClockJudge:
     """Whether this peer's clock is ahead of the others', from successive looks at their clock records."""
 
-    def __init__(self, max_skew_seconds: float, period_seconds: float, min_live_peers: int = 1):
+    def __init__(self, max_skew_seconds: float, period_seconds: float):
         self.max_skew_seconds, self.period_seconds = max_skew_seconds, period_seconds
-        self.min_live_peers = min_live_peers
         self.lead_seconds: Optional[float] = None  # how far ahead this peer's clock is, while it is
         self._last_seen: Dict[bytes, float] = {}
 
@@ -72,7 +71,7 @@ class ClockJudge:
         live = [now - written for owner, written in times.items()
                 if owner in self._last_seen and written > self._last_seen[owner]]
         self._last_seen = dict(times)
-        if len(live) < self.min_live_peers:
+        if not live:
             return
         # the lower median: with two others, one of them behind must not make this peer blame its own clock
         lead = statistics.median_low(live) - self.period_seconds  # records are up to a period old: at least this

@@ -293,7 +293,7 @@ def _wrong_type(option: Option, value: Any) -> Optional[str]:
 
 
 class SettingsYamlLoader(yaml.SafeLoader):
-    """YAML for settings: no anchors or aliases (an alias bomb expands to gigabytes), no duplicate keys."""
+    """YAML for settings: no aliases (an alias bomb expands to gigabytes), no duplicate keys."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
