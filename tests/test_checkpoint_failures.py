@@ -28,6 +28,7 @@ from monitoring import BottleneckClassifier, HealthCheck, MetricsExporter, PeerM
 from peer.app import PeerRun, finish
 from peer.builder import MetricsObserver
 from peer.exit_codes import ExitCode
+from peer.outputs import check_output_paths
 from tests.peers import tmpfs
 from tests.test_trainer_unit import BATCH, TARGET, Rig, make_rig
 
@@ -220,3 +221,17 @@ def test_a_clean_run_whose_final_checkpoint_works_exits_0(tmp_path):
     run = finished(rig)
     assert (run.code, run.reason) == (ExitCode.OK, "max_epochs")
     assert rig.checkpoint_epochs() == [1, 2, 2] and rig.summary.last_checkpoint == str(rig.store.list()[-1])
+
+
+def test_a_checkpoint_dir_read_only_at_start_is_bad_input_named_before_joining(read_only_switch, tmp_path):
+    """Mid-run a read-only disk only costs checkpoints (above); given at start, it is the user's to fix (exit 2)."""
+    make_read_only, make_writable, _ = read_only_switch
+    make_read_only()
+    try:
+        with pytest.raises(ValueError, match=r"--checkpoint-dir .*/ckpt is not a directory this peer can write to "
+                                             r"\(.*\); choose a writable directory"):
+            check_output_paths(tmp_path / "ckpt", None)
+    finally:
+        make_writable()
+    check_output_paths(tmp_path / "ckpt", tmp_path / "ckpt" / "summary.json")  # and once writable, it passes
+    assert list((tmp_path / "ckpt").iterdir()) == []  # the probe leaves nothing behind
