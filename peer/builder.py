@@ -51,6 +51,7 @@ from peer.signals import StopRequest
 from peer.summary import PeerSummary
 from peer.tasks import Task
 from peer.tasks.contract import TaskContractError, call_task, check_task
+from peer.tasks.registry import run_within
 from peer.trainer import RoundTally, Trainer, TrainingObserver, seed_from_run_id
 from peer.version import __version__
 
@@ -191,9 +192,13 @@ class PeerBuilder:
         train_set = call_task(where, "build_train_dataset()", task.build_train_dataset)
         val_set = call_task(where, "build_val_dataset()", task.build_val_dataset)
         batch_size = config.training.batch_size or task.batch_size
-        try:
-            check_task(task, model, train_set, val_set, batch_size, device, config.averaging.average_opt_statistics,
-                       config.averaging.powersgd_rank if config.averaging.strategy == "powersgd" else None)
+        timeout = config.training.task_timeout_seconds
+        try:  # a dataset that hangs is found here, at the first batch, not as a silent stall later
+            run_within(timeout, lambda: check_task(
+                task, model, train_set, val_set, batch_size, device, config.averaging.average_opt_statistics,
+                config.averaging.powersgd_rank if config.averaging.strategy == "powersgd" else None,
+            ), TaskContractError(f"{where}: reading its first batch and computing its loss took longer than "
+                                 f"--task-timeout-seconds {timeout:g}; check the dataset's __getitem__ and the loss"))
         except TaskContractError as e:
             raise BadInput(str(e)) from e
         checkpoint = restore_model(store, config, task.name, model)

@@ -231,6 +231,10 @@ def run_peer_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         ("import sys\ndef make_task():\n    sys.exit(0)\n", "broken_task:make_task", "called sys.exit(0) instead"),
         ("import sys\nsys.exit(3)\n", "broken_task:make_task", "importing 'broken_task' called sys.exit(3)"),
         ("import time\ntime.sleep(3600)\n", "broken_task:make_task", "took longer than --task-timeout-seconds 3"),
+        ("import dataclasses, time\nfrom peer.tasks import load_task\nclass Hangs:\n    def __len__(self):\n"
+         "        return 1000\n    def __getitem__(self, index):\n        time.sleep(3600)\ndef make_task():\n"
+         "    return dataclasses.replace(load_task('bytelm-tiny'), build_train_dataset=Hangs)\n",
+         "broken_task:make_task", "reading its first batch and computing its loss took longer than"),
         ("import dataclasses\nfrom peer.tasks import load_task\ndef make_task():\n"
          "    return dataclasses.replace(load_task('bytelm-tiny'), build_train_dataset=lambda: [])\n",
          "broken_task:make_task", "build_train_dataset() holds 0 samples, fewer than one batch"),

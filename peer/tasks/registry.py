@@ -6,9 +6,11 @@ import importlib
 import os
 import sys
 import threading
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, TypeVar
 
 from peer.tasks.base import Task
+
+T = TypeVar("T")
 
 
 class TaskLoadError(ValueError):
@@ -35,25 +37,32 @@ def load_task(name: str, timeout_seconds: Optional[float] = None) -> Task:
     """Build the task named `name`; raise TaskLoadError with a one-line reason on failure.
 
     :param timeout_seconds: a module that hangs on import, or a factory that never returns, is reported after
-        this long (the work goes on in a daemon thread, which the exiting process abandons)
+        this long
     """
     if timeout_seconds is None:
         return _load_task(name)
+    return run_within(timeout_seconds, lambda: _load_task(name), TaskLoadError(
+        f"--task {name}: importing and building it took longer than --task-timeout-seconds {timeout_seconds:g}; "
+        f"a module that waits at import (on the network, a lock, input) hangs here: fix it, or raise "
+        f"--task-timeout-seconds for a task that is slow to build"))
+
+
+def run_within(seconds: float, work: Callable[[], T], timed_out: Exception) -> T:
+    """work()'s result or exception, or `timed_out` raised once `seconds` have passed. The work goes on in a
+    daemon thread, which the exiting process abandons: user code cannot be interrupted any other way."""
     outcome: list = []
 
-    def load() -> None:
+    def run() -> None:
         try:
-            outcome.append(_load_task(name))
+            outcome.append(work())
         except BaseException as e:  # handed to the caller's thread, whatever it is
             outcome.append(e)
 
-    worker = threading.Thread(target=load, name="load-task", daemon=True)
+    worker = threading.Thread(target=run, name="task-code", daemon=True)
     worker.start()
-    worker.join(timeout_seconds)
+    worker.join(seconds)
     if not outcome:
-        raise TaskLoadError(f"--task {name}: importing and building it took longer than --task-timeout-seconds "
-                            f"{timeout_seconds:g}; a module that waits at import (on the network, a lock, input) "
-                            f"hangs here: fix it, or raise --task-timeout-seconds for a task that is slow to build")
+        raise timed_out
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
     return outcome[0]
