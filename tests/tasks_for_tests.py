@@ -82,11 +82,14 @@ def make_stalling_task() -> Task:
 
 
 def make_nan_loss_task() -> Task:
-    """A task whose loss is always NaN while the weights stay finite: a broken loss function or data."""
+    """A task whose training loss is always NaN while the weights stay finite: a broken loss function or data.
+    In eval mode it is finite, so that it passes the start-up check of the first batch (peer/tasks/contract.py)
+    and breaks only once training."""
     import dataclasses
 
     base = _task("nan-loss", lambda: _mlp(16, 1), SyntheticDataset(4096), batch_size=8)
-    return dataclasses.replace(base, loss_fn=lambda model, batch: mse_loss(model, batch) * float("nan"))
+    return dataclasses.replace(
+        base, loss_fn=lambda model, batch: mse_loss(model, batch) * (float("nan") if model.training else 1.0))
 
 
 def make_diverging_task() -> Task:

@@ -230,7 +230,7 @@ def run_peer_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         ("def make_task():\n    return 42\n", "broken_task:make_task", "returned int, expected peer.tasks.Task"),
         ("import sys\ndef make_task():\n    sys.exit(0)\n", "broken_task:make_task", "called sys.exit(0) instead"),
         ("import sys\nsys.exit(3)\n", "broken_task:make_task", "importing 'broken_task' called sys.exit(3)"),
-        ("import time\ntime.sleep(3600)\n", "broken_task:make_task", "took longer than --task-timeout-seconds 3"),
+        ("import time\ntime.sleep(3600)\n", "broken_task:make_task", "took longer than --task-timeout-seconds 8"),
         ("import dataclasses, time\nfrom peer.tasks import load_task\nclass Hangs:\n    def __len__(self):\n"
          "        return 1000\n    def __getitem__(self, index):\n        time.sleep(3600)\ndef make_task():\n"
          "    return dataclasses.replace(load_task('bytelm-tiny'), build_train_dataset=Hangs)\n",
@@ -243,7 +243,8 @@ def run_peer_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_bad_task_exits_2_without_traceback(tmp_path, module_source, task, expected):
     if module_source is not None:
         (tmp_path / "broken_task.py").write_text(module_source)
-    result = run_peer_process(tmp_path, "--task", task, "--metrics-port", "0", "--task-timeout-seconds", "3")
+    # long enough for a task to build under suite load, short enough for the rows that hang
+    result = run_peer_process(tmp_path, "--task", task, "--metrics-port", "0", "--task-timeout-seconds", "8")
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert expected in output and "Traceback" not in output

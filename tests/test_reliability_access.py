@@ -25,7 +25,7 @@ def test_short_or_missing_key_is_a_clear_error(tmp_path: Path):
     short.write_text("tiny")
     with pytest.raises(SwarmKeyError, match="fewer than 16"):
         read_swarm_key(short)
-    with pytest.raises(SwarmKeyError, match="cannot read swarm key"):
+    with pytest.raises(SwarmKeyError, match="swarm key: cannot read"):
         read_swarm_key(tmp_path / "missing.key")
 
 
