@@ -191,6 +191,7 @@ def test_bad_config_file_shape(capsys, tmp_path, content, expected, name):
         (["--config", "{tmp}/missing.toml"], "--config: cannot read"),
         (["--config", "{tmp}"], "--config"),
         (["--config", "{tmp}/peer.ini"], "must end in .toml, .yaml or .yml"),
+        (["--config", "{tmp}/fifo.toml"], "--config: {tmp}/fifo.toml is not a regular file (a FIFO, device or socket)"),
         (["--batch-size", "64", "--target-batch-size", "32"],
          "--batch-size (64) is larger than --target-batch-size (32)"),
         (["--client-mode"], "--client-mode needs --initial-peers"),
@@ -203,8 +204,9 @@ def test_bad_config_file_shape(capsys, tmp_path, content, expected, name):
 )
 def test_unreadable_files_conflicts_and_unknown_flags(capsys, tmp_path, argv, expected):
     (tmp_path / "peer.ini").write_text("[training]\n")
+    os.mkfifo(tmp_path / "fifo.toml")  # opening it would block for ever: it must be refused from its stat
     code, output = run_cli(capsys, ["start", *[arg.format(tmp=tmp_path) for arg in argv]])
-    assert_one_line_error(code, output, expected)
+    assert_one_line_error(code, output, expected.format(tmp=tmp_path))
 
 
 def test_unknown_environment_variable_suggests_the_right_one(capsys, monkeypatch):
@@ -256,13 +258,15 @@ def test_bad_task_exits_2_without_traceback(tmp_path, module_source, task, expec
 @pytest.mark.parametrize(
     "args, expected",
     [
+        (["--average-opt-statistics", "nonexistent_stat"],
+         "--average-opt-statistics nonexistent_stat: not in the state of AdamW"),
         (["--metrics-host", "8.8.8.8"], "--metrics-host 8.8.8.8 is not an address of this machine"),
         (["--host-maddrs", "/ip4/8.8.8.8/tcp/0"], "8.8.8.8 is not an address of this machine"),
         (["--checkpoint-dir", "{tmp}/a-file/ckpt"], "--checkpoint-dir {tmp}/a-file/ckpt is not a directory this peer"),
         (["--summary-json", "{tmp}/a-file/summary.json"], "--summary-json: the directory of {tmp}/a-file is not"),
     ],
 )
-def test_what_this_machine_cannot_do_is_bad_input_found_before_joining(tmp_path, args, expected):
+def test_problems_found_at_start_are_bad_input_named_before_joining(tmp_path, args, expected):
     (tmp_path / "a-file").write_text("a regular file, where a directory is needed")
     result = run_peer_process(tmp_path, "--task", "bytelm-tiny", "--metrics-port", "0",
                               *[arg.format(tmp=tmp_path) for arg in args])
