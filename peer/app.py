@@ -25,7 +25,7 @@ from peer.logs import setup_logging
 from peer.manifest import ManifestUnreadable
 from peer.outputs import check_output_paths
 from peer.signals import StopRequest, start_shared_memory_manager
-from peer.tasks import TaskLoadError, load_task
+from peer.tasks import load_task
 from peer.trainer import Trainer, TrainingDiverged
 from peer.version import __version__
 
@@ -85,7 +85,7 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
         check_listen_addresses(config.dht.host_maddrs)
         task = load_task(config.training.task, config.training.task_timeout_seconds)
         device = resolve_device(config.training.device)
-    except (TaskLoadError, RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError) as e:  # TaskLoadError and the checks above are ValueErrors
         raise BadInput(str(e)) from e
     builder.lock_checkpoint_dir()  # a second peer on this directory leaves before it joins anything
     averaging = config.averaging

@@ -16,7 +16,8 @@ def test_a_clock_an_hour_ahead_says_so_once_and_again_when_it_agrees(caplog):
         assert judge.lead_seconds is None
         for step in range(1, 4):
             judge.look({A: 100.0 + 5 * step, B: 101.0 + 5 * step}, now=3702.0 + 5 * step)
-        assert judge.lead_seconds is not None and 3590 <= judge.lead_seconds <= 3600
+        # the last look: lags 3602 and 3601 s (the lower median 3601), less the 5 s a record may be old
+        assert judge.lead_seconds == 3596.0
         assert caplog.text.count("this peer's clock is at least") == 1
         assert "ahead of the clocks of 2 other peer(s)" in caplog.text
         judge.look({A: 121.0, B: 122.0}, now=123.0)  # the clock was set right
