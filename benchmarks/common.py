@@ -86,6 +86,13 @@ def hardware_info() -> Dict[str, Any]:
     except Exception:  # a broken hivemind install should still let the envelope be written
         hivemind_version = None
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    driver = None
+    if cuda is not None:
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=10).stdout.split("\n")[0].strip() or None
+        except (OSError, subprocess.SubprocessError):
+            pass
     return {
         "cpu_model": _lscpu_model(),
         "cpu_cores_online": os.cpu_count(),
@@ -93,6 +100,8 @@ def hardware_info() -> Dict[str, Any]:
         "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "load_average_1m_at_start": round(os.getloadavg()[0], 2),
         "cuda_device": cuda,
+        "cuda_version": torch.version.cuda,
+        "nvidia_driver": driver,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "hivemind": hivemind_version,

@@ -18,8 +18,11 @@ optimizer, trained four ways in one process, in interleaved windows (ABCD, DCBA,
 Each window runs a fixed number of steps; the first few of each window are warm-up and not
 counted. The rate of a window is samples / seconds between the end of its first counted step
 and the end of its last. Ratios are taken between windows of the same round, then the median
-over rounds is reported. CUDA rows run when a CUDA device is present and are skipped (with a
-note) otherwise.
+over rounds is reported. Every way runs in the same precision (the forward and loss under autocast,
+as peer/precision.py does): fp32 on the CPU; fp32 and bf16 on CUDA. CUDA rows run when a CUDA
+device is present and are skipped (with a note) otherwise; there the task is `--cuda-task`
+(default: bytelm widened to about 57M parameters, so that a step takes well over 20 ms and the
+daemon's per-step cost is measured against real GPU work, not launch overhead).
 
 Goals (issue 4 and the daemon's design): daemon >= 97% of plain; monitoring on within 2% of off.
 
@@ -32,7 +35,8 @@ Usage (from the repository root)::
 JSON (benchmarks/results/local_overhead.json), ``results``:
 
 - ``task``, ``batch_size``, ``data_workers``, ``rounds``, ``warmup_steps``, ``ways`` (what each way is);
-- ``devices.<cpu|cuda>``: either ``{"skipped": true, "reason": ...}`` or
+- ``devices.<cpu|cuda-fp32|cuda-bf16>``: either ``{"skipped": true, "reason": ...}`` or
+  - ``task`` and ``precision`` (the GPU, its driver, CUDA and torch versions are in ``hardware``);
   - ``steps_per_window``;
   - ``samples_per_second.<way>``: ``{median, min, max, n}`` over rounds;
   - ``ratios.daemon_over_plain``, ``ratios.hivemind_over_plain``, ``ratios.daemon_over_hivemind``,
@@ -60,6 +64,17 @@ NAME = "local_overhead"
 WAYS = ("plain", "daemon", "daemon_monitoring_off", "hivemind")
 DAEMON_GOAL, MONITORING_GOAL = 0.97, 0.02
 HUGE_TARGET = 10**9
+CUDA_TASK = "benchmarks.local_overhead:make_cuda_task"
+
+
+def make_cuda_task():
+    """bytelm widened for a GPU: d_model 768, 8 layers, context 256 (about 57M parameters), batch 32."""
+    import dataclasses
+
+    from peer.tasks.bytelm import SIZES, bytelm_task
+
+    return bytelm_task("bytelm-cuda-bench", dataclasses.replace(
+        SIZES["small"], d_model=768, n_layers=8, n_heads=12, context=256, batch_size=32))
 
 
 class NullTimer:
@@ -98,13 +113,15 @@ def window_rate(ends: List[float], warmup: int, batch_size: int) -> float:
 class Ways:
     """The four training loops of one device, built once and run window by window."""
 
-    def __init__(self, task_name: str, batch_size: Optional[int], workers: int, device_name: str, tmp: Path):
+    def __init__(self, task_name: str, batch_size: Optional[int], workers: int, device_name: str, precision: str,
+                 tmp: Path):
         import hivemind
         import torch
 
         from peer.builder import PeerBuilder
         from peer.config import load_config
         from peer.data import endless, make_loader
+        from peer.precision import MixedPrecision
         from peer.progress import ProgressDisplay
         from peer.signals import StopRequest
         from peer.tasks import load_task
@@ -113,10 +130,10 @@ class Ways:
         self.torch, self.device = torch, torch.device(device_name)
         self.task = load_task(task_name)
         self.batch_size = batch_size or self.task.batch_size
-        run_id = f"bench-overhead-{device_name}"
+        run_id = f"bench-overhead-{device_name}-{precision}"
         self.config = load_config(flags=dict(
             task=task_name, run_id=run_id, batch_size=self.batch_size, target_batch_size=HUGE_TARGET,
-            device=device_name, data_workers=workers, checkpoint_dir=tmp / "ckpt",
+            device=device_name, precision=precision, data_workers=workers, checkpoint_dir=tmp / "ckpt",
             host_maddrs=["/ip4/127.0.0.1/tcp/0"], metrics_host="127.0.0.1", metrics_port=0,
         ))
         self._stack = ExitStack()
@@ -125,16 +142,18 @@ class Ways:
         torch.manual_seed(seed_from_run_id(run_id))
         self.plain_model = self.task.build_model().to(self.device)
         self.plain_opt = self.task.build_optimizer(self.plain_model.parameters())
+        self.autocast = MixedPrecision(precision, self.device, ()).autocast
+        pinned = self.device.type == "cuda"
         self.plain_batches = endless(make_loader(
             self.task.build_train_dataset(), batch_size=self.batch_size, workers=workers, seed=0,
-            collate_fn=self.task.collate_fn))
+            collate_fn=self.task.collate_fn, pin_memory=pinned))
 
         # daemon: assembled by the same builder as `peer start`, torn down by closing the stack
         builder = PeerBuilder(self.config, StopRequest(), self._stack)
         monitoring = builder.monitoring(self.device, "sync", "none")
         self.dht = builder.dht()
         self.trainer = trainer = builder.training(
-            self.task, self.device, self.dht, monitoring, ProgressDisplay(HUGE_TARGET, interactive=False))
+            self.task, self.device, precision, self.dht, monitoring, ProgressDisplay(HUGE_TARGET, interactive=False))
         builder.publisher(self.dht, trainer, monitoring)
         self.timer, self.health = monitoring.timer, monitoring.health
         self.observer_on, self.observer_off = monitoring.observer, TrainingObserver()
@@ -152,7 +171,7 @@ class Ways:
         self._stack.callback(self.hm_opt.shutdown)
         self.hm_batches = endless(make_loader(
             self.task.build_train_dataset(), batch_size=self.batch_size, workers=workers, seed=0,
-            collate_fn=self.task.collate_fn))
+            collate_fn=self.task.collate_fn, pin_memory=pinned))
 
     def close(self) -> None:
         """Stop everything in reverse order; one failure must not leave the DHT running."""
@@ -166,7 +185,8 @@ class Ways:
         ends = []
         for _ in range(steps):
             batch = move_to(next(batches), self.device)
-            loss = self.task.loss_fn(model, batch)
+            with self.autocast():
+                loss = self.task.loss_fn(model, batch)
             loss.backward()
             float(loss.detach())  # the daemon reads the loss every step too (a device sync on GPUs)
             if isinstance(optimizer, self.torch.optim.Optimizer):
@@ -214,9 +234,9 @@ class Ways:
         return self._trainer_window(steps, monitoring=(way == "daemon"))
 
 
-def measure_device(run: common.Run, device: str, args, settings: dict) -> dict:
+def measure_device(run: common.Run, device: str, precision: str, task: str, args, settings: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="swarmtrain-bench-") as tmp:
-        ways = Ways(settings["task"], args.batch_size, settings["data_workers"], device, Path(tmp))
+        ways = Ways(task, args.batch_size, settings["data_workers"], device, precision, Path(tmp))
         try:
             batch_size, warmup = ways.batch_size, settings["warmup_steps"]
             # calibrate: steps per window from the plain loop's speed
@@ -224,7 +244,7 @@ def measure_device(run: common.Run, device: str, args, settings: dict) -> dict:
             step_seconds = (ends[-1] - ends[warmup]) / (len(ends) - 1 - warmup)
             steps = max(settings["min_steps"], int(settings["window_seconds"] / max(step_seconds, 1e-6)))
             steps += warmup
-            run.log(f"{device}: {step_seconds * 1e3:.1f} ms per plain step; {steps} steps per window")
+            run.log(f"{device} {precision}: {step_seconds * 1e3:.1f} ms per plain step; {steps} steps per window")
             rates: Dict[str, List[float]] = {way: [] for way in WAYS}
             per_round = []
             for r in range(settings["rounds"]):
@@ -233,7 +253,8 @@ def measure_device(run: common.Run, device: str, args, settings: dict) -> dict:
                     row[way] = window_rate(ways.window(way, steps), warmup, batch_size)
                     rates[way].append(row[way])
                 per_round.append({way: round(v, 2) for way, v in row.items()})
-                run.log(f"{device} round {r}: " + ", ".join(f"{w} {v:.1f}" for w, v in row.items()) + " samples/s")
+                rates_line = ", ".join(f"{w} {v:.1f}" for w, v in row.items())
+                run.log(f"{device} {precision} round {r}: {rates_line} samples/s")
         finally:
             ways.close()
     ratios = {
@@ -247,6 +268,8 @@ def measure_device(run: common.Run, device: str, args, settings: dict) -> dict:
     overhead = None if on_off is None else 1.0 - on_off
     daemon_ratio = ratios["daemon_over_plain"]["median"]
     return {
+        "task": task,
+        "precision": precision,
         "steps_per_window": steps,
         "samples_per_second": {way: common.stats(values, 2) for way, values in rates.items()},
         "ratios": ratios,
@@ -263,7 +286,8 @@ def measure_device(run: common.Run, device: str, args, settings: dict) -> dict:
 
 def main(argv=None) -> int:
     p = common.parser(NAME, __doc__)
-    p.add_argument("--task", default=None, help="task to train (default: bytelm; smoke: bytelm-tiny)")
+    p.add_argument("--task", default=None, help="task to train on the CPU (default: bytelm; smoke: bytelm-tiny)")
+    p.add_argument("--cuda-task", default=CUDA_TASK, help=f"task to train on CUDA (default: {CUDA_TASK})")
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the task's)")
     p.add_argument("--data-workers", type=int, default=None, help="DataLoader workers (default: the daemon's, 2)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (each runs every way once)")
@@ -289,13 +313,14 @@ def main(argv=None) -> int:
     settings["torch_threads"] = torch.get_num_threads()
     run = common.Run(NAME, mode, args.output)
 
-    devices: Dict[str, dict] = {}
-    for device in ("cpu", "cuda"):
-        if device == "cuda" and not torch.cuda.is_available():
-            devices["cuda"] = {"skipped": True, "reason": "no CUDA device on this machine"}
-            run.note("CUDA rows skipped: no CUDA device on this machine")
-            continue
-        devices[device] = measure_device(run, device, args, settings)
+    devices: Dict[str, dict] = {"cpu": measure_device(run, "cpu", "fp32", settings["task"], args, settings)}
+    for precision in ("fp32", "bf16"):
+        if torch.cuda.is_available():
+            devices[f"cuda-{precision}"] = measure_device(run, "cuda", precision, args.cuda_task, args, settings)
+        else:
+            devices[f"cuda-{precision}"] = {"skipped": True, "reason": "no CUDA device on this machine"}
+    if not torch.cuda.is_available():
+        run.note("CUDA rows skipped: no CUDA device on this machine")
     from peer.tasks import load_task
 
     batch_size = args.batch_size or load_task(settings["task"]).batch_size
@@ -329,7 +354,7 @@ def main(argv=None) -> int:
             f"hivemind/plain {common.fmt_ratio(cpu['ratios']['hivemind_over_plain']['median'])}, "
             f"monitoring on/off {common.fmt_ratio(cpu['ratios']['monitoring_on_over_off']['median'])} "
             f"(goals: daemon >= {DAEMON_GOAL}, monitoring overhead <= {MONITORING_GOAL:.0%}); "
-            f"cuda: {'skipped' if devices['cuda'].get('skipped') else 'see JSON'}")
+            f"cuda: {'skipped' if devices['cuda-fp32'].get('skipped') else 'see JSON'}")
     run.finish(results, line)
     return 0
 

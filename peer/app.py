@@ -19,7 +19,7 @@ from peer import lifeline
 from peer.builder import PeerBuilder
 from peer.checkpoint import CheckpointError
 from peer.config import PeerConfig
-from peer.data import resolve_device
+from peer.device import resolve_device, resolve_precision
 from peer.exit_codes import BadInput, ExitCode
 from peer.logs import setup_logging
 from peer.manifest import ManifestUnreadable
@@ -85,6 +85,7 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
         check_listen_addresses(config.dht.host_maddrs)
         task = load_task(config.training.task, config.training.task_timeout_seconds)
         device = resolve_device(config.training.device)
+        precision = resolve_precision(config.training.precision, device)
     except (RuntimeError, ValueError) as e:  # TaskLoadError and the checks above are ValueErrors
         raise BadInput(str(e)) from e
     builder.lock_checkpoint_dir()  # a second peer on this directory leaves before it joins anything
@@ -92,7 +93,7 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
     codec = averaging.state_compression if averaging.strategy == "local-sgd" else averaging.grad_compression
     monitoring = builder.monitoring(device, averaging.strategy, codec)
     dht = builder.dht()
-    run.trainer = trainer = builder.training(task, device, dht, monitoring, builder.display())
+    run.trainer = trainer = builder.training(task, device, precision, dht, monitoring, builder.display())
     print_join_instructions(config, dht)  # once this peer is a member: its settings matched the run's manifest
     stop.install_handlers()  # hivemind's averagers set SIGINT to "ignore" in this process when they start
     builder.publisher(dht, trainer, monitoring)

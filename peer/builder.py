@@ -41,9 +41,11 @@ from peer.checkpoint import CheckpointStore
 from peer.checkpoint_lock import CheckpointDirLock
 from peer.config import PeerConfig
 from peer.data import make_loader
+from peer.device import describe_device
 from peer.exit_codes import BadInput
 from peer.logs import silence_hivemind
 from peer.manifest import join_run, manifest_for
+from peer.precision import MixedPrecision
 from peer.progress import ProgressDisplay
 from peer.resume import restore_model, restore_optimizer
 from peer.session import SwarmSession
@@ -56,10 +58,6 @@ from peer.trainer import RoundTally, Trainer, TrainingObserver, seed_from_run_id
 from peer.version import __version__
 
 logger = logging.getLogger("peer")
-
-
-def describe_device(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 class MetricsObserver(TrainingObserver):
@@ -179,11 +177,14 @@ class PeerBuilder:
             self._checkpoint_lock = CheckpointDirLock.acquire(self.config.checkpoint.checkpoint_dir)
             self.stack.callback(self._checkpoint_lock.release)
 
-    def training(self, task: Task, device: torch.device, dht: hivemind.DHT, monitoring: Monitoring,
+    def training(self, task: Task, device: torch.device, precision: str, dht: hivemind.DHT, monitoring: Monitoring,
                  display: Optional[ProgressDisplay] = None) -> Trainer:
-        """The model (resumed from a checkpoint if there is one), its swarm optimizer, the session and the loop."""
+        """The model (resumed from a checkpoint if there is one), its swarm optimizer, the session and the loop.
+
+        `device` and `precision` are resolved and checked against this machine (peer/device.py)."""
         config = self.config
-        summary = PeerSummary(run_id=config.training.run_id, task=task.name, peer_id=str(dht.peer_id))
+        summary = PeerSummary(run_id=config.training.run_id, task=task.name, peer_id=str(dht.peer_id),
+                              device=str(device), precision=precision)
         self.lock_checkpoint_dir()  # before the first checkpoint is read
         store = CheckpointStore(config.checkpoint.checkpoint_dir, keep=config.checkpoint.keep_checkpoints)
         torch.manual_seed(seed_from_run_id(config.training.run_id))
@@ -215,15 +216,18 @@ class PeerBuilder:
         session = SwarmSession(dht, self.keys, optimizer, self.stop, progress_record_ttl_seconds(config.averaging),
                                on_progress=monitoring.health.beat)
         self.stack.callback(self._leave_training, dht, optimizer, session)
-        restore_optimizer(checkpoint, optimizer, summary)
-        training = config.training
+        mixed_precision = MixedPrecision(precision, device, model.parameters())
+        restore_optimizer(checkpoint, optimizer, summary, mixed_precision)
+        training, pinned = config.training, device.type == "cuda"
         train_loader = make_loader(train_set, batch_size=batch_size, workers=training.data_workers,
-                                   seed=training.seed, collate_fn=task.collate_fn)
+                                   seed=training.seed, collate_fn=task.collate_fn, pin_memory=pinned)
         val_loader = make_loader(val_set, batch_size=batch_size, workers=0, seed=0,
-                                 collate_fn=task.collate_fn, shuffle=False)
+                                 collate_fn=task.collate_fn, shuffle=False, pin_memory=pinned)
+        logger.info(f"training on {describe_device(device)} ({device}) in {precision}")
         trainer = Trainer(
             config, task, model, optimizer, train_loader, val_loader, device=device, session=session, rounds=rounds,
             store=store, stop=self.stop, timer=monitoring.timer, display=display, on_progress=monitoring.health.beat,
+            precision=mixed_precision,
         )
         self.stack.callback(trainer.close)
         return trainer

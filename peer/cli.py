@@ -41,14 +41,34 @@ def start(ctx: click.Context, **params: Any) -> None:
               help="How many peers to start on this machine.")
 @click.option("--summary-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Write each peer's summary to DIR/peer-<i>.json.")
+@click.option("--gpus", default=None, metavar="all|0,1,..",
+              help="One peer per GPU, each with --device cuda:N: 'all' or the GPU indices (sets --peers).")
 @config_options_for()
 @click.pass_context
-def swarm(ctx: click.Context, num_peers: int, summary_dir: Optional[Path], **params: Any) -> None:
+def swarm(ctx: click.Context, num_peers: int, summary_dir: Optional[Path], gpus: Optional[str], **params: Any) -> None:
     """Start N peers on this machine: the first bootstraps, the rest join it."""
     config = resolve_config(ctx, params)
     from peer.swarm import run_local_swarm
 
-    ctx.exit(run_local_swarm(config, num_peers, summary_dir, _start_args(ctx)))
+    chosen = _chosen_gpus(ctx, gpus, num_peers) if gpus is not None else []
+    ctx.exit(run_local_swarm(config, len(chosen) or num_peers, summary_dir, _start_args(ctx), chosen))
+
+
+def _chosen_gpus(ctx: click.Context, spec: str, num_peers: int) -> List[int]:
+    import torch  # only here: the rest of the command line stays fast
+
+    from peer.swarm import choose_gpus
+
+    try:
+        gpus = choose_gpus(spec, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if ctx.get_parameter_source("num_peers") == ParameterSource.COMMANDLINE and num_peers != len(gpus):
+        raise click.UsageError(f"--peers {num_peers} conflicts with --gpus {spec} ({len(gpus)} GPU(s), one peer "
+                               f"each); leave out --peers")
+    if ctx.get_parameter_source("device") == ParameterSource.COMMANDLINE:
+        raise click.UsageError(f"--gpus {spec} sets each peer's --device; leave out --device")
+    return gpus
 
 
 def _start_args(ctx: click.Context) -> List[str]:

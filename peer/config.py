@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -51,13 +52,26 @@ class TrainingConfig(BaseModel):
     task_timeout_seconds: float = Field(
         default=300.0, gt=0, description="Give up on a --task that takes longer than this to import and build.")
     batch_size: Optional[int] = Field(default=None, ge=1, description="Samples per local step (default: the task's).")
-    device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="auto picks cuda when available.")
+    device: str = Field(
+        default="auto", description="auto, cpu, cuda or cuda:N (the N-th GPU; checked at start). auto picks cuda "
+                                    "when available.")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        default="auto",
+        description="Forward and loss under autocast in bf16 or fp16 (fp16 with a loss scaler); weights, optimizer "
+                    "state and averaging stay fp32. auto: bf16 on a GPU that supports it, else fp32. fp16 needs a GPU.")
     max_epochs: Optional[int] = Field(default=None, ge=1, description="Exit 0 once this global epoch is reached.")
     max_seconds: Optional[float] = Field(default=None, gt=0, description="Exit 0 after training this long.")
     data_workers: int = Field(default=2, ge=0, description="DataLoader worker processes for preprocessing.")
     seed: int = Field(default=0, ge=0, le=2**32 - 1,
                       description="Seed for this peer's data order (model init is seeded by run id).")
     val_batches: int = Field(default=8, ge=1, description="Validation batches evaluated at each global epoch.")
+
+    @field_validator("device")
+    @classmethod
+    def _device_is_known(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,3})?", value):
+            raise ValueError("must be auto, cpu, cuda or cuda:N (N: the index of a GPU, as nvidia-smi lists them)")
+        return value
 
 
 def _not_a_file(path: Path) -> Path:

@@ -1,7 +1,12 @@
-"""Data plumbing for the training loop: loaders with workers, endless iteration, device moves."""
+"""Data plumbing for the training loop: loaders with workers, endless iteration, device moves.
+
+On CUDA, loaders put batches in pinned (page-locked) host memory and the copy to the device is
+non-blocking, so it overlaps with the work queued before it; the loop's `h2d` phase stays honest because
+the loop synchronizes at phase boundaries when it times them (peer/trainer.py)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -15,6 +20,7 @@ def make_loader(
     seed: int,
     collate_fn: Optional[Callable] = None,
     shuffle: bool = True,
+    pin_memory: bool = False,
 ) -> DataLoader:
     generator = torch.Generator()
     generator.manual_seed(seed)
@@ -28,6 +34,7 @@ def make_loader(
         prefetch_factor=4 if workers > 0 else None,
         collate_fn=collate_fn,
         generator=generator,
+        pin_memory=pin_memory,
     )
 
 
@@ -53,17 +60,10 @@ def move_to(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def resolve_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is available; use --device cpu or auto")
-    return torch.device(requested)
-
-
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, loader: DataLoader, loss_fn: Callable, device: torch.device, max_batches: int
+    model: torch.nn.Module, loader: DataLoader, loss_fn: Callable, device: torch.device, max_batches: int,
+    autocast: Callable[[], ContextManager] = nullcontext,
 ) -> float:
     """Mean loss over up to max_batches validation batches."""
     was_training = model.training
@@ -73,7 +73,8 @@ def evaluate(
         for index, batch in enumerate(loader):
             if index >= max_batches:
                 break
-            total += float(loss_fn(model, move_to(batch, device)))
+            with autocast():
+                total += float(loss_fn(model, move_to(batch, device)))
             count += 1
     finally:
         model.train(was_training)

@@ -14,16 +14,18 @@ import torch
 from averaging.api import SwarmOptimizer
 from peer.checkpoint import CheckpointStore, LoadedCheckpoint
 from peer.config import PeerConfig
+from peer.precision import MixedPrecision
 from peer.summary import PeerSummary
 
 logger = logging.getLogger(__name__)
 
 
 def training_state(config: PeerConfig, task_name: str, model: torch.nn.Module, optimizer: SwarmOptimizer,
-                   summary: PeerSummary) -> dict:
+                   summary: PeerSummary, precision: MixedPrecision) -> dict:
     """Everything a checkpoint holds (the optimizer's background updates must have landed)."""
     scheduler = optimizer.scheduler
     return {
+        "grad_scaler": precision.state_dict(),  # empty unless fp16: then the loss scale it has found
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -55,12 +57,16 @@ def restore_model(store: CheckpointStore, config: PeerConfig, task_name: str,
     return checkpoint
 
 
-def restore_optimizer(checkpoint: Optional[LoadedCheckpoint], optimizer: SwarmOptimizer, summary: PeerSummary) -> None:
-    """The optimizer's state, the LR scheduler and the peer's counters, from the checkpoint restore_model read."""
+def restore_optimizer(checkpoint: Optional[LoadedCheckpoint], optimizer: SwarmOptimizer, summary: PeerSummary,
+                      precision: Optional[MixedPrecision] = None) -> None:
+    """The optimizer's state, the LR scheduler, the loss scale and the peer's counters, from the checkpoint
+    restore_model read."""
     if checkpoint is None:
         return
     state = checkpoint.state
     optimizer.load_state_dict(state["optimizer"])
+    if precision is not None:
+        precision.load_state_dict(state.get("grad_scaler") or {})
     scheduler = optimizer.scheduler
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])

@@ -29,6 +29,11 @@ class PeerSummary(BaseModel):
     state_downloads: int = 0
     nonfinite_batches: int = 0
     """Batches skipped because their loss was NaN or Inf."""
+    device: str = ""
+    precision: str = "fp32"
+    """What the forward and loss ran in (peer/device.py resolves --precision auto)."""
+    overflow_batches: int = 0
+    """fp16 batches skipped because their gradients overflowed (the loss scaler lowered its scale)."""
     resumed_from: Optional[str] = None
     last_checkpoint: Optional[str] = None
     """The newest checkpoint this peer wrote."""

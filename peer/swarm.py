@@ -2,7 +2,8 @@
 
 Peer 0 starts the swarm; the others are started once it prints its address, and join it.
 Each peer is a `peer start` subprocess with its own checkpoint subdirectory, metrics port
-and summary file; its output is prefixed with its name. A signal to this process is passed
+and summary file; its output is prefixed with its name. With `--gpus`, one peer per GPU, each on its own
+(`--device cuda:N`). A signal to this process is passed
 on to every peer (a second one kills them), and every peer is told to stop (SIGTERM, via
 the parent-death signal) if this process dies. Exits non-zero if any peer failed.
 """
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import click
 
@@ -70,9 +71,36 @@ class LocalPeer:
             return None
 
 
-def peer_args(config: PeerConfig, base_args: List[str], index: int, summary_dir: Optional[Path]) -> List[str]:
+def choose_gpus(spec: str, gpu_count: int) -> List[int]:
+    """`--gpus all` or `--gpus 0,2` -> the GPU indices, one peer each.
+
+    :raises ValueError: one line naming the value, the rule and a fix
+    """
+    gpus: Optional[List[int]] = None
+    if spec.strip() != "all":
+        try:
+            gpus = [int(part) for part in spec.split(",")]
+        except ValueError:
+            raise ValueError(f"--gpus {spec!r}: give 'all' or GPU indices separated by commas, such as 0,1") from None
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"--gpus {spec}: a GPU is listed twice; give each index once")
+    if gpu_count == 0:
+        raise ValueError(f"--gpus {spec}: this machine has no CUDA device that torch can use; leave out --gpus to "
+                         f"run the peers on the CPU")
+    if gpus is None:
+        return list(range(gpu_count))
+    missing = [gpu for gpu in gpus if not 0 <= gpu < gpu_count]
+    if missing:
+        raise ValueError(f"--gpus {spec}: no GPU {missing[0]}; this machine has GPUs 0 to {gpu_count - 1}")
+    return gpus
+
+
+def peer_args(config: PeerConfig, base_args: List[str], index: int, summary_dir: Optional[Path],
+              gpus: Sequence[int] = ()) -> List[str]:
     """Per-peer overrides appended after the user's flags (the last occurrence of a flag wins)."""
     args = list(base_args)
+    if gpus:
+        args += ["--device", f"cuda:{gpus[index]}"]
     port = config.monitoring.metrics_port
     args += ["--metrics-port", str(port + index if isinstance(port, int) and port else port)]
     args += ["--checkpoint-dir", str(config.checkpoint.checkpoint_dir / f"peer-{index}")]
@@ -86,7 +114,8 @@ def peer_args(config: PeerConfig, base_args: List[str], index: int, summary_dir:
     return args
 
 
-def run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Optional[Path], base_args: List[str]) -> int:
+def run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Optional[Path], base_args: List[str],
+                    gpus: Sequence[int] = ()) -> int:
     peers: List[LocalPeer] = []
     stopping = threading.Event()
 
@@ -103,7 +132,7 @@ def run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Optional[Pa
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    first = LocalPeer(0, peer_args(config, base_args, 0, summary_dir))
+    first = LocalPeer(0, peer_args(config, base_args, 0, summary_dir, gpus))
     peers.append(first)
     if config.dht.initial_peers:
         initial_peers = ",".join(config.dht.initial_peers)  # joining an existing swarm: everyone uses it
@@ -117,7 +146,7 @@ def run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Optional[Pa
     for index in range(1, num_peers):
         if stopping.is_set():
             break
-        args = peer_args(config, base_args, index, summary_dir) + ["--initial-peers", initial_peers]
+        args = peer_args(config, base_args, index, summary_dir, gpus) + ["--initial-peers", initial_peers]
         peers.append(LocalPeer(index, args))
     return _wait_all(peers)
 

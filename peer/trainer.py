@@ -1,7 +1,9 @@
 """The training loop of one peer: local steps toward the swarm's target batch.
 
 One step: data_wait -> h2d -> forward -> backward -> optimizer (which may average with
-the swarm or download state). Every phase is timed on this thread. At each new global
+the swarm or download state). Every phase is timed on this thread. The forward and loss run under
+the peer's precision (peer/precision.py); with fp16, a batch whose gradients overflowed is skipped
+before the optimizer counts it. At each new global
 epoch the peer validates, reports, and every K epochs writes a checkpoint; a checkpoint
 that cannot be written (a full, read-only or deleted disk) is reported and retried at the
 next one, never a reason to stop. The loop stops at --max-epochs, --max-seconds, or a stop
@@ -27,6 +29,7 @@ from monitoring import PhaseTimer
 from peer.checkpoint import CheckpointError, CheckpointStore
 from peer.config import PeerConfig
 from peer.data import endless, evaluate, move_to
+from peer.precision import MixedPrecision
 from peer.progress import ProgressDisplay
 from peer.resume import training_state
 from peer.session import SwarmSession
@@ -37,7 +40,8 @@ from peer.tasks import Task
 logger = logging.getLogger(__name__)
 
 NONFINITE_LOSS_LIMIT = 20
-"""Batches in a row with a non-finite loss before the peer acts: one is noise, twenty is divergence."""
+"""Batches in a row with a non-finite loss (or fp16 gradients that overflowed) before the peer acts: one is
+noise, twenty is divergence (twenty overflows have lowered the loss scale a million times)."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -133,6 +137,7 @@ class Trainer:
         timer: PhaseTimer,
         display: Optional[ProgressDisplay] = None,
         on_progress: Callable[[], None] = lambda: None,
+        precision: Optional[MixedPrecision] = None,
     ):
         self.config, self.task, self.model, self.optimizer = config, task, model, optimizer
         self.train_loader, self.val_loader, self.device = train_loader, val_loader, device
@@ -142,6 +147,7 @@ class Trainer:
         self.display = display or ProgressDisplay(config.averaging.target_batch_size, interactive=False)
         self.on_progress = on_progress  # heartbeat for /healthz
         self.batch_size = config.training.batch_size or task.batch_size
+        self.precision = precision or MixedPrecision("fp32", device, model.parameters())
         # GPU kernels run asynchronously: without a synchronize at phase boundaries their time would land
         # in whichever phase waits next. Only on CUDA, and only when the metrics are exported.
         measure_gpu = device.type == "cuda" and config.monitoring.metrics_port != "off"
@@ -166,7 +172,8 @@ class Trainer:
         try:
             with self.timer.phase("checkpoint"):
                 self.optimizer.wait_for_background_updates()
-                state = training_state(self.config, self.task.name, self.model, self.optimizer, self.summary)
+                state = training_state(self.config, self.task.name, self.model, self.optimizer, self.summary,
+                                       self.precision)
                 path = self.store.save(state, global_epoch=epoch)
         except CheckpointError as e:
             self._checkpoint_failed(epoch, e)
@@ -211,7 +218,8 @@ class Trainer:
                 )
 
     def validate(self) -> float:
-        return evaluate(self.model, self.val_loader, self.task.loss_fn, self.device, self.config.training.val_batches)
+        return evaluate(self.model, self.val_loader, self.task.loss_fn, self.device, self.config.training.val_batches,
+                        autocast=self.precision.autocast)
 
     def run(self) -> str:
         """Train until a stop condition; return the exit reason."""
@@ -244,7 +252,7 @@ class Trainer:
             step_started = time.monotonic()
             loss = self._step(batches)
             self.summary.longest_step_seconds = max(self.summary.longest_step_seconds, time.monotonic() - step_started)
-            if math.isfinite(loss):
+            if loss is not None:
                 stats.samples += self.batch_size
                 stats.steps += 1
                 stats.loss_sum += loss
@@ -255,7 +263,8 @@ class Trainer:
                 self._finish_epoch(stats)
                 stats = EpochStats(started_at=time.monotonic())
 
-    def _step(self, batches) -> float:
+    def _step(self, batches) -> Optional[float]:
+        """One local step; its loss, or None if the batch was skipped (a non-finite loss, an fp16 overflow)."""
         timer = self.timer
         with timer.phase("data_wait"):
             batch = next(batches)
@@ -263,39 +272,47 @@ class Trainer:
             batch = move_to(batch, self.device)
             self._phase_boundary()
         with timer.phase("forward"):
-            loss = self.task.loss_fn(self.model, batch)
+            with self.precision.autocast():
+                loss = self.task.loss_fn(self.model, batch)
             self._phase_boundary()
         with timer.phase("backward"):
-            loss.backward()
+            self.precision.backward(loss)
             self._phase_boundary()
         loss_value = float(loss.detach())
         if not math.isfinite(loss_value):
             # never feed a non-finite gradient to the swarm: drop this batch and go on
             self.optimizer.zero_grad()
-            self._on_nonfinite_loss(loss_value)
-            return loss_value
-        self._nonfinite_streak, self._reset_from_swarm = 0, False
+            self.summary.nonfinite_batches += 1
+            self._on_skipped_batch(f"non-finite loss ({loss_value})", warn=True)
+            return None
         with timer.phase("optimizer"):
-            self.optimizer.step(batch_size=self.batch_size)
+            stepped = self.precision.step(lambda: self.optimizer.step(batch_size=self.batch_size))
             self.optimizer.zero_grad()
+        if not stepped:  # the scaler has lowered its scale for the next batch; this one was never counted
+            self.summary.overflow_batches += 1
+            self._on_skipped_batch(f"fp16 gradients overflowed (loss scale now {self.precision.scale:g})", warn=False)
+            return None
+        self._nonfinite_streak, self._reset_from_swarm = 0, False
         self.summary.local_steps += 1
         self.summary.samples += self.batch_size
         self.summary.train_loss = loss_value
         self.observer.on_step(self.batch_size, loss_value)
         return loss_value
 
-    def _on_nonfinite_loss(self, loss_value: float) -> None:
-        """Skip the batch; after NONFINITE_LOSS_LIMIT in a row, take the swarm's weights once, then stop."""
-        self.summary.nonfinite_batches += 1
+    def _on_skipped_batch(self, why: str, warn: bool) -> None:
+        """After NONFINITE_LOSS_LIMIT skipped batches in a row, take the swarm's weights once, then stop.
+
+        An fp16 overflow now and then is the loss scaler at work (it finds its scale by overflowing), so only a
+        non-finite loss is warned about, once per streak: a diverged peer would otherwise flood its log."""
         self._nonfinite_streak += 1
-        if self._nonfinite_streak == 1:  # one line per streak: a diverged peer would otherwise flood its log
-            logger.warning(f"non-finite loss ({loss_value}); skipping this batch")
+        if self._nonfinite_streak == 1 and warn:
+            logger.warning(f"{why}; skipping this batch")
         if self._nonfinite_streak < NONFINITE_LOSS_LIMIT:
             return
         self._nonfinite_streak = 0
         if not self._reset_from_swarm and self.optimizer.swarm_view().peers > 1:
-            logger.warning(f"the loss was non-finite for {NONFINITE_LOSS_LIMIT} batches in a row: "
-                           f"replacing this peer's weights with the swarm's state")
+            logger.warning(f"the loss or its gradients were non-finite for {NONFINITE_LOSS_LIMIT} batches in a row "
+                           f"(last: {why}): replacing this peer's weights with the swarm's state")
             self._reset_from_swarm = True
             if self.optimizer.load_state_from_peers():
                 return
@@ -303,7 +320,8 @@ class Trainer:
         else:
             after = " even with the swarm's weights" if self._reset_from_swarm else ""
         raise TrainingDiverged(
-            f"the loss was non-finite for {NONFINITE_LOSS_LIMIT} batches in a row{after}: training diverged or "
+            f"the loss or its gradients were non-finite for {NONFINITE_LOSS_LIMIT} batches in a row (last: {why})"
+            f"{after}: training diverged or "
             f"the task's data or loss function produce NaN/Inf; lower the learning rate or fix the task, "
             f"then restart (from the last checkpoint, or with a fresh --checkpoint-dir)"
         )

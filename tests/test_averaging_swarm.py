@@ -1,4 +1,7 @@
-"""Each averaging strategy on a real 2-peer swarm of the built-in task: loss falls, peers agree."""
+"""Each averaging strategy on a real 2-peer swarm of the built-in task: loss falls, peers agree.
+
+Every strategy but sync (the default path, fp32) runs in bf16 autocast, on the CPU: precision lives in the
+training loop, before the optimizer, so each strategy (and ZeRO-Offload) must train and agree with it too."""
 from __future__ import annotations
 
 import json
@@ -16,18 +19,19 @@ AUTO_DEADLINES = [
     "--averaging-timeout-seconds-max", "20",
 ]
 
+BF16 = ["--precision", "bf16"]
 STRATEGIES = {
     # with adaptive deadlines: they start at (1 s, 20 s) and must move once rounds are measured
     "sync": AUTO_DEADLINES,
     # 4 epochs, state averaged every 2: the last epoch is an averaging epoch, so weights must agree
     # peers reach an epoch at their own pace here: a longer matchmaking window lets both join its round
     "local-sgd": ["--average-state-every", "2", "--average-opt-statistics", "exp_avg,exp_avg_sq",
-                  "--matchmaking-seconds", "3", "--averaging-timeout-seconds", "15"],
-    "powersgd": ["--powersgd-rank", "2", "--grad-compression", "fp16"],
+                  "--matchmaking-seconds", "3", "--averaging-timeout-seconds", "15", *BF16],
+    "powersgd": ["--powersgd-rank", "2", "--grad-compression", "fp16", *BF16],
     # outer momentum 0.9 (the paper's) overshoots within 4 rounds when a loaded machine changes the inner steps
-    "diloco": ["--diloco-inner-steps", "8", "--outer-lr", "0.7", "--outer-momentum", "0.5"],
+    "diloco": ["--diloco-inner-steps", "8", "--outer-lr", "0.7", "--outer-momentum", "0.5", *BF16],
     # ZeRO-Offload with delayed parameter updates (sync strategy underneath)
-    "offload-delayed": ["--offload-optimizer", "--delay-updates", "--grad-compression", "fp16"],
+    "offload-delayed": ["--offload-optimizer", "--delay-updates", "--grad-compression", "fp16", *BF16],
 }
 
 
@@ -46,6 +50,7 @@ def test_two_peers_learn_and_agree(spawn, tmp_path: Path, name: str):
     summaries = [json.loads((tmp_path / "summaries" / f"peer-{i}.json").read_text()) for i in range(2)]
     for summary in summaries:
         assert summary["exit_reason"] == "max_epochs"
+        assert summary["precision"] == ("bf16" if "--precision" in STRATEGIES[name] else "fp32")
         assert summary["global_epoch"] == epochs
         assert summary["averaging_rounds"]["ok"] >= 1, summary["averaging_rounds"]
         assert summary["val_loss_last"] <= 0.9 * summary["val_loss_first"], summary

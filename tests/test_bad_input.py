@@ -39,7 +39,8 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "task": [lambda t: ""],
     "task_timeout_seconds": [lambda t: "0", lambda t: "nan"],
     "batch_size": [lambda t: "0", lambda t: "eight"],
-    "device": [lambda t: "tpu"],
+    "device": [lambda t: "tpu", lambda t: "cuda:x"],
+    "precision": [lambda t: "fp8"],
     "max_epochs": [lambda t: "0", lambda t: "1.5"],
     "max_seconds": [lambda t: "-1", lambda t: "soon", lambda t: "inf"],
     "data_workers": [lambda t: "-1"],
@@ -264,6 +265,7 @@ def test_bad_task_exits_2_without_traceback(tmp_path, module_source, task, expec
         (["--host-maddrs", "/ip4/8.8.8.8/tcp/0"], "8.8.8.8 is not an address of this machine"),
         (["--checkpoint-dir", "{tmp}/a-file/ckpt"], "--checkpoint-dir {tmp}/a-file/ckpt is not a directory this peer"),
         (["--summary-json", "{tmp}/a-file/summary.json"], "--summary-json: the directory of {tmp}/a-file is not"),
+        (["--device", "cuda:7"], "--device cuda:7: "),  # no GPU here, or no GPU 7 on a machine with a few
     ],
 )
 def test_problems_found_at_start_are_bad_input_named_before_joining(tmp_path, args, expected):

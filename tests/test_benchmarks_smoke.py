@@ -67,7 +67,11 @@ def test_local_overhead_smoke(tmp_path: Path):
         assert STATS <= cpu["ratios"][ratio].keys() and cpu["ratios"][ratio]["n"] >= 1
     assert {"daemon_meets", "monitoring_meets"} <= cpu["goals"].keys()
     assert "monitoring_overhead" in cpu and cpu["per_round"]
-    assert "cuda" in results["devices"]
+    assert cpu["precision"] == "fp32" and cpu["task"] == results["task"]
+    # on a machine without CUDA the two GPU rows say why they are missing
+    cuda_rows = {name: row for name, row in results["devices"].items() if name != "cpu"}
+    assert set(cuda_rows) == {"cuda-fp32", "cuda-bf16"}
+    assert all(row == {"skipped": True, "reason": "no CUDA device on this machine"} for row in cuda_rows.values())
 
 
 @pytest.mark.timeout(150)

@@ -136,3 +136,16 @@ def test_exclusion_with_a_cool_off_ends():
     assert book.expire() == [] and book.excluded == ["bad"]
     now[0] = 30.0
     assert book.expire() == ["bad"] and book.excluded == []
+
+
+def test_direction_drops_exclude_only_when_they_are_most_of_the_recent_rounds():
+    """An honest peer's gradient points away from the others' median now and then: direction drops in 3 of every
+    10 rounds, for 60 rounds, never exclude it; a sign flipper dropped in 2 of every 3 rounds is excluded at once."""
+    book = ExclusionBook(ExclusionRule(threshold=3, window=10))
+    assert book.record(verdicts("honest", (["direction", "", "", "direction", "", "", "direction", "", "", ""]) * 6)) \
+        == []
+    excluded = book.record(verdicts("flipper", ["direction", "", "direction", "direction"]))
+    assert [peer for peer, _ in excluded] == ["flipper"] and "3 of its last 4 judged rounds" in excluded[0][1]
+    # certain offences (NaN, norm) need no majority: 3 in 10 exclude
+    assert [peer for peer, _ in book.record(verdicts("nan", ["non-finite", "", "", "non-finite"] + [""] * 5
+                                                     + ["non-finite"]))] == ["nan"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +26,7 @@ from monitoring import PhaseTimer
 from peer.checkpoint import CheckpointStore
 from peer.config import PeerConfig, load_config
 from peer.data import make_loader
+from peer.precision import MixedPrecision
 from peer.resume import restore_model, restore_optimizer
 from peer.signals import StopRequest
 from peer.summary import PeerSummary
@@ -223,8 +225,10 @@ def make_config(tmp_path: Path, task: Task, **flags) -> PeerConfig:
 
 
 def make_rig(tmp_path: Path, task: Optional[Task] = None, *, peers: int = 1, outcomes: Tuple[str, ...] = ("ok",),
-             seed: int = 0, resume: bool = False, **flags) -> Rig:
-    """A Trainer over task (default: mlp_task()) and a FakeOptimizer; resume=True restores as peer/builder.py does."""
+             seed: int = 0, resume: bool = False, precision: Optional[Callable[[nn.Module], MixedPrecision]] = None,
+             **flags) -> Rig:
+    """A Trainer over task (default: mlp_task()) and a FakeOptimizer; resume=True restores as peer/builder.py does;
+    precision(model) builds the loop's MixedPrecision (default: fp32)."""
     task = task or mlp_task()
     config = make_config(tmp_path, task, **flags)
     summary = PeerSummary(run_id=config.training.run_id, task=task.name)
@@ -236,14 +240,15 @@ def make_rig(tmp_path: Path, task: Optional[Task] = None, *, peers: int = 1, out
     checkpoint = restore_model(store, config, task.name, model) if resume else None
     optimizer = FakeOptimizer(model.parameters(), target_batch_size=TARGET, peers=peers, outcomes=outcomes,
                               scheduler_factory=task.build_scheduler, hooks=rounds.hooks(timer))
-    restore_optimizer(checkpoint, optimizer, summary)
+    mixed_precision = precision(model) if precision is not None else None
+    restore_optimizer(checkpoint, optimizer, summary, mixed_precision)
     train_loader = make_loader(task.build_train_dataset(), batch_size=BATCH, workers=0, seed=0,
                                collate_fn=task.collate_fn)
     val_loader = make_loader(task.build_val_dataset(), batch_size=BATCH, workers=0, seed=0,
                              collate_fn=task.collate_fn, shuffle=False)
     session, stop = FakeSession(), StopRequest()
     trainer = Trainer(config, task, model, optimizer, train_loader, val_loader, device=torch.device("cpu"),
-                      session=session, rounds=rounds, store=store, stop=stop, timer=timer)
+                      session=session, rounds=rounds, store=store, stop=stop, timer=timer, precision=mixed_precision)
     return Rig(config, task, model, optimizer, summary, observer, session, store, stop, trainer)
 
 
@@ -388,7 +393,8 @@ def test_a_lone_peer_whose_loss_stays_nonfinite_stops_after_the_limit_without_a_
     loss = ScriptedLoss(lambda n: True)
     rig = make_rig(tmp_path, mlp_task(loss), peers=1, max_epochs=3, checkpoint_every_epochs=1)
 
-    with pytest.raises(TrainingDiverged, match=f"non-finite for {LIMIT} batches in a row: training diverged") as error:
+    diverged = f"non-finite for {LIMIT} batches in a row (last: non-finite loss (nan)): training diverged"
+    with pytest.raises(TrainingDiverged, match=re.escape(diverged)) as error:
         rig.trainer.run()
 
     assert "even with the swarm's weights" not in str(error.value)
@@ -591,3 +597,51 @@ def test_the_round_tally_hooks_feed_the_tally_and_time_phases_on_the_timer():
     assert summary.state_downloads == 2
     assert timer.totals()["averaging"] == 2.0
 
+
+
+# --- fp16 with its loss scaler ---------------------------------------------------------------------------------------
+
+
+def fp16(init_scale: float) -> Callable[[nn.Module], MixedPrecision]:
+    """fp16 autocast and loss scaling on the CPU (peer start allows fp16 only on a GPU; the logic is the same)."""
+    return lambda model: MixedPrecision("fp16", torch.device("cpu"), model.parameters(), init_scale=init_scale)
+
+
+def test_fp16_batches_that_overflow_are_skipped_before_the_swarm_counts_them(tmp_path):
+    """A loss scale far too large overflows the fp16 backward: those batches never reach the optimizer (no samples
+    counted, no epoch moved, no inf gradient sent), the scale halves each time, then training goes on normally."""
+    loss = ScriptedLoss(lambda n: False)  # counts the training batches
+    rig = make_rig(tmp_path, mlp_task(loss), max_epochs=3, precision=fp16(init_scale=2.0 ** 24))
+
+    assert rig.trainer.run() == "max_epochs"
+
+    overflowed = rig.summary.overflow_batches
+    assert 1 <= overflowed < LIMIT
+    assert loss.batches == overflowed + len(rig.optimizer.steps)
+    assert rig.optimizer.steps == [BATCH] * (3 * TARGET // BATCH)  # exactly the batches of 3 epochs, none twice
+    assert rig.summary.samples == 3 * TARGET and rig.summary.local_steps == len(rig.optimizer.steps)
+    assert rig.optimizer.bad_gradient_steps == 0 and rig.summary.nonfinite_batches == 0
+    assert rig.trainer.precision.scale < 2.0 ** 24
+    assert [p.dtype for p in rig.model.parameters()] == [torch.float32] * 4  # master weights stay fp32
+
+
+def test_fp16_overflow_that_never_ends_is_divergence(tmp_path):
+    """Twenty overflows in a row have lowered the scale a million times: the gradients are not finite at any scale."""
+    rig = make_rig(tmp_path, mlp_task(), peers=1, max_epochs=3, precision=fp16(init_scale=2.0 ** 40))
+
+    with pytest.raises(TrainingDiverged, match=re.escape(f"non-finite for {LIMIT} batches in a row (last: fp16 "
+                                                         f"gradients overflowed (loss scale now {2 ** 20:g}))")):
+        rig.trainer.run()
+
+    assert rig.summary.overflow_batches == LIMIT and rig.optimizer.steps == []
+
+
+def test_the_loss_scale_survives_a_checkpoint(tmp_path):
+    rig = make_rig(tmp_path, max_epochs=2, checkpoint_every_epochs=1, precision=fp16(init_scale=2.0 ** 24))
+    rig.trainer.run()
+    found = rig.trainer.precision.scale
+    assert found < 2.0 ** 24
+
+    resumed = make_rig(tmp_path, resume=True, precision=fp16(init_scale=2.0 ** 24))
+
+    assert resumed.trainer.precision.scale == found

@@ -324,9 +324,13 @@ def make_bytelm_task(size: str) -> Task:
     """The byte-level LM task at `size` ("small" or "tiny")."""
     if size not in SIZES:
         raise ValueError(f"bytelm: unknown size {size!r}; choose one of {', '.join(sorted(SIZES))}")
-    settings = SIZES[size]
+    return bytelm_task("bytelm" if size == "small" else f"bytelm-{size}", SIZES[size])
+
+
+def bytelm_task(name: str, settings: BytelmSize) -> Task:
+    """The byte-level LM task with any shape (the benchmarks size it for a GPU)."""
     return Task(
-        name="bytelm" if size == "small" else f"bytelm-{size}",
+        name=name,
         build_model=partial(_build_model, settings),
         build_train_dataset=partial(_train_dataset, settings),
         build_val_dataset=partial(_val_dataset, settings),
