@@ -2,12 +2,7 @@
 
 Reducers judge each sender once per round (averaging/robust_allreduce.py). A peer is excluded once
 `threshold` of its last `window` judged rounds were offences, so that one transient NaN, or an
-honest peer's rare outlier, never excludes anyone. A direction drop is weaker evidence: it is a
-statistical judgement, and an honest single-batch gradient points away from the others' median now and
-then (in 0 to 6% of judged parts of bytelm-tiny, depending on the stage of training; a 4-peer honest swarm
-once excluded an honest peer on 3 of 10). So where direction drops are needed to reach `threshold`, they
-must also be most of the peer's recent judged rounds; a sign-flipping peer is dropped in 50 to 100% of
-its rounds while honest gradients agree. Exclusion lasts for the rest of the run, or
+honest peer's rare outlier, never excludes anyone. Exclusion lasts for the rest of the run, or
 `seconds` when set; it is logged once with the peer's id and counted. This peer is never judged:
 reducers leave their own contribution out of the verdicts.
 """
@@ -23,8 +18,6 @@ from typing import Callable, Deque, Dict, Iterable, List, Optional, Tuple
 from averaging.robust_allreduce import Defence, Verdict
 
 logger = logging.getLogger(__name__)
-
-STATISTICAL_OFFENCES = frozenset({"direction"})
 
 
 @dataclass(frozen=True)
@@ -51,7 +44,7 @@ class ExclusionBook:
             recent = self._recent.setdefault(verdict.peer, deque(maxlen=self.rule.window))
             recent.append(verdict.offence)
             offences = [offence for offence in recent if offence]
-            if self._excludes(recent, offences):
+            if len(offences) >= self.rule.threshold:
                 self._until[verdict.peer] = self.clock() + (self.rule.seconds or float("inf"))
                 del self._recent[verdict.peer]
                 reasons = ", ".join(sorted(set(offences)))
@@ -59,12 +52,6 @@ class ExclusionBook:
                        f"last: {verdict.detail or verdict.offence})")
                 newly_excluded.append((verdict.peer, why))
         return newly_excluded
-
-    def _excludes(self, recent: Deque[str], offences: List[str]) -> bool:
-        if len(offences) < self.rule.threshold:
-            return False
-        certain = [offence for offence in offences if offence not in STATISTICAL_OFFENCES]
-        return len(certain) >= self.rule.threshold or 2 * len(offences) > len(recent)
 
     def expire(self) -> List[str]:
         """Peers whose exclusion has just ended."""

@@ -33,8 +33,10 @@ Usage (from the repository root)::
     python -m benchmarks.scaling --quick     # bytelm-tiny, val loss 3.6, target batch 256
     python -m benchmarks.scaling             # bytelm, val loss 3.0, target batch 1024 (long)
     python -m benchmarks.scaling --smoke     # bytelm-tiny, 1 and 2 peers, loose target, no hiding runs; for tests
+    # one GPU shared by 1 then 2 peers, in bf16:
+    python -m benchmarks.scaling --peers 1,2 --skip-hiding --peer-args "--device cuda --precision bf16"
 
-JSON ``results``: ``task``, ``target_val_loss``, ``target_batch_size``, ``cores``, ``cores_per_peer``,
+JSON ``results``: ``task``, ``target_val_loss``, ``target_batch_size``, ``cores``, ``cores_per_peer``, ``peer_args``,
 ``pinning`` (``taskset`` or a reason it is off), ``repeats``; ``scaling``: one row per (peers, repeat)
 with ``reached``, ``time_to_target_seconds``, ``startup_seconds``, ``epoch``, ``samples``,
 ``val_loss``, ``cpu_sets``, ``oversubscribed``, ``exit_codes``; ``speedup_vs_1``: peers -> median speedup;
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -263,6 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--hiding-seconds", type=float, default=None, help="length of each communication-hiding run")
     p.add_argument("--skip-hiding", action="store_true")
+    p.add_argument("--peer-args", default="", help="more `peer start` flags for every peer, as one string, e.g. "
+                                                   "\"--device cuda --precision bf16\" (peers then share that GPU)")
     args = p.parse_args(argv)
     mode = args.mode
     peer_counts = [int(x) for x in
@@ -282,6 +287,7 @@ def main(argv=None) -> int:
         "cores": cores,
         "cores_per_peer": share,
         "pinning": "taskset" if shutil.which("taskset") else "off: taskset is not installed",
+        "peer_args": shlex.split(args.peer_args),
     }
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     run = common.Run(NAME, mode, args.output)
@@ -291,7 +297,7 @@ def main(argv=None) -> int:
     base = ["--task", settings["task"], "--run-id", f"bench-scaling-{os.getpid()}", "--host-maddrs",
             "/ip4/127.0.0.1/tcp/0", "--matchmaking-seconds", str(settings["matchmaking_seconds"]),
             "--averaging-timeout-seconds", "10", "--data-workers", "1", "--val-batches", "4", "--metrics-port", "off",
-            "--checkpoint-every-epochs", "100000", "--min-peers-timeout-seconds", "120"]
+            "--checkpoint-every-epochs", "100000", "--min-peers-timeout-seconds", "120", *settings["peer_args"]]
     rows, hiding_rows = [], []
     with tempfile.TemporaryDirectory(prefix="swarmtrain-scaling-") as tmp:
         work = Path(tmp)
