@@ -1,9 +1,9 @@
 """The training loop of one peer: local steps toward the swarm's target batch.
 
 One step: data_wait -> h2d -> forward -> backward -> optimizer (which may average with
-the swarm or download state). Every phase is timed on this thread. The forward and loss run under
-the peer's precision (peer/precision.py); with fp16, a batch whose gradients overflowed is skipped
-before the optimizer counts it. At each new global
+the swarm or download state). Every phase is timed on this thread. The forward and loss run
+in the peer's precision (peer/precision.py); with fp16, a batch whose gradients overflowed
+is skipped before the optimizer counts it. At each new global
 epoch the peer validates, reports, and every K epochs writes a checkpoint; a checkpoint
 that cannot be written (a full, read-only or deleted disk) is reported and retried at the
 next one, never a reason to stop. The loop stops at --max-epochs, --max-seconds, or a stop
