@@ -31,10 +31,8 @@ def read_identity(path: Path) -> str:
     from hivemind.p2p import PeerID
 
     path = Path(path)
-    if not path.is_file():
-        raise IdentityError(f"identity file {path} is not a regular file; point --identity at a key file")
     try:
-        data = read_input_file(path)
+        data = read_input_file(path)  # refuses directories, FIFOs and devices by their stat
     except InputFileError as e:
         raise IdentityError(f"identity file: {e}") from e
     try:

@@ -50,7 +50,8 @@ class TrainingConfig(BaseModel):
     task: str = Field(default="bytelm", min_length=1, max_length=256,
                       description="Built-in task name or module:function.")
     task_timeout_seconds: float = Field(
-        default=300.0, gt=0, description="Give up on a --task that takes longer than this to import and build.")
+        default=300.0, gt=0,
+        description="Give up on a --task that takes longer than this to import and build, or to read its first batch.")
     batch_size: Optional[int] = Field(default=None, ge=1, description="Samples per local step (default: the task's).")
     device: str = Field(
         default="auto", description="auto, cpu, cuda or cuda:N (the N-th GPU; checked at start). auto picks cuda "
