@@ -2,9 +2,11 @@
 
 Reducers judge each sender once per round (averaging/robust_allreduce.py). A peer is excluded once
 `threshold` of its last `window` judged rounds were offences, so that one transient NaN, or an
-honest peer's rare outlier, never excludes anyone. Exclusion lasts for the rest of the run, or
-`seconds` when set; it is logged once with the peer's id and counted. This peer is never judged:
-reducers leave their own contribution out of the verdicts.
+honest peer's rare outlier, never excludes anyone. A round counts as clean only if every check could
+run on it: a group of three cannot tell a sign flip, and such rounds would otherwise fill an attacker's
+window (in groups of 3 and 4 under load, the sign flipper went unexcluded for 120 s). Exclusion lasts
+for the rest of the run, or `seconds` when set; it is logged once with the peer's id and counted. This
+peer is never judged: reducers leave their own contribution out of the verdicts.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -62,25 +62,32 @@ class Drop:
         return self.reason != "excluded"
 
 
+class Aggregate(NamedTuple):
+    result: torch.Tensor
+    drops: List[Drop]
+    fully_judged: bool  # every check that is on ran (False: too few contributions, or no direction consensus)
+
+
 class NothingToAggregate(RuntimeError):
     """Every contribution to a part was dropped: the round cannot produce an honest result."""
 
 
-def aggregate(
-    contributions: Sequence[Contribution], policy: RobustPolicy, excluded: Sequence[int] = ()
-) -> Tuple[torch.Tensor, List[Drop]]:
-    """Combine the contributions to one part; return the result and what was dropped, and why."""
+def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, excluded: Sequence[int] = ()) -> Aggregate:
+    """Combine the contributions to one part; return the result, what was dropped and why, and whether
+    every check that is on could run (with fewer than four contributions, or no consensus on a direction,
+    a sign flip would have gone unseen)."""
     drops: List[Drop] = []
     kept: List[Contribution] = []
     for item in contributions:
         drop = _screen(item, excluded)
         (drops.append(drop) if drop else kept.append(item))
+    fully_judged = False
     if len(kept) >= 3:
-        kept, outliers = _drop_outliers(kept, policy)
+        kept, outliers, fully_judged = _drop_outliers(kept, policy)
         drops += outliers
     if not kept:
         raise NothingToAggregate(f"all {len(contributions)} contributions were dropped: {_describe(drops)}")
-    return _combine(kept, policy), drops
+    return Aggregate(_combine(kept, policy), drops, fully_judged)
 
 
 def _screen(item: Contribution, excluded: Sequence[int]) -> Optional[Drop]:
@@ -93,7 +100,7 @@ def _screen(item: Contribution, excluded: Sequence[int]) -> Optional[Drop]:
     return None
 
 
-def _drop_outliers(kept: List[Contribution], policy: RobustPolicy) -> Tuple[List[Contribution], List[Drop]]:
+def _drop_outliers(kept: List[Contribution], policy: RobustPolicy) -> Tuple[List[Contribution], List[Drop], bool]:
     drops: List[Drop] = []
     norms = torch.stack([item.part.double().norm() for item in kept])
     survivors = []
@@ -104,19 +111,21 @@ def _drop_outliers(kept: List[Contribution], policy: RobustPolicy) -> Tuple[List
             drops.append(Drop(item.sender, "norm", f"norm {float(norms[index]):.3g} vs median {typical:.3g}"))
         else:
             survivors.append(item)
-    if policy.min_cosine <= -1.0 or len(survivors) < MIN_SENDERS_FOR_DIRECTION:
-        return survivors, drops
+    if policy.min_cosine <= -1.0:
+        return survivors, drops, True  # every check that is on has run
+    if len(survivors) < MIN_SENDERS_FOR_DIRECTION:
+        return survivors, drops, False
     cosines = _cosines_to_the_others(survivors)
     judged = [cosine for cosine in cosines if cosine is not None]
     if not judged or float(torch.tensor(judged).quantile(0.5)) < DIRECTION_CONSENSUS:
-        return survivors, drops  # no direction that the contributions agree on: nothing to judge against
+        return survivors, drops, False  # no direction that the contributions agree on: nothing to judge against
     kept = []
     for item, cosine in zip(survivors, cosines):
         if cosine is not None and cosine < policy.min_cosine:
             drops.append(Drop(item.sender, "direction", f"cosine {cosine:.2f} to the others' median"))
         else:
             kept.append(item)
-    return kept, drops
+    return kept, drops, True
 
 
 def _cosines_to_the_others(items: List[Contribution]) -> List[Optional[float]]:

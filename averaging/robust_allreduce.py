@@ -42,7 +42,7 @@ class Verdict:
 
     peer: str  # base58
     round_id: str
-    offence: str = ""  # a Drop reason, or "" when every part it sent was kept
+    offence: str = ""  # a Drop reason, or "" when every part it sent was kept and judged by every check
     detail: str = ""
 
 
@@ -139,6 +139,7 @@ class RobustPartReducer(TensorPartReducer):
         self.contributions: List[Contribution] = []
         self.offences: dict = {}  # sender index -> the first Drop that was an offence
         self.participated: set = set()
+        self.fully_judged: set = set()  # senders of a part whose direction was judged
         super().__init__(part_shapes, len(self.sender_peer_ids))
 
     def reset_accumulators(self):
@@ -173,7 +174,8 @@ class RobustPartReducer(TensorPartReducer):
         if self.current_part_accumulated_from != self.num_current_senders:
             return
         try:
-            result, drops = aggregate(self.contributions, self.defence.policy, self.excluded_senders)
+            result, drops, fully_judged = aggregate(self.contributions, self.defence.policy,
+                                                        self.excluded_senders)
         except NothingToAggregate as e:
             self.current_part_future.set_exception(AllreduceException(f"part {self.current_part_index}: {e}"))
             self.finalize()
@@ -181,6 +183,8 @@ class RobustPartReducer(TensorPartReducer):
         for drop in drops:
             if drop.is_offence:
                 self.offences.setdefault(drop.sender, drop)
+        if fully_judged:
+            self.fully_judged.update(item.sender for item in self.contributions)
         self.current_part_future.set_result(result)
         self.reset_accumulators()
 
@@ -199,6 +203,11 @@ class RobustPartReducer(TensorPartReducer):
             if peer == self.own_peer_id or index in self.excluded_senders:
                 continue  # a peer never accuses itself; the excluded are already judged
             drop: Optional[Drop] = self.offences.get(index)
+            if drop is None and index not in self.fully_judged:
+                # no verdict: a round in which a sign flip could not have been seen (a group of three, or
+                # no consensus on a direction) must not count as clean, or such rounds would outnumber an
+                # attacker's offences in its exclusion window
+                continue
             verdicts.append(Verdict(peer.to_base58(), self.round_id, drop.reason if drop else "",
                                     drop.detail if drop else ""))
             if drop is not None:
