@@ -208,8 +208,11 @@ class Ways:
                 inner.on_step(samples, loss)
                 window.step_done()
 
-            def on_epoch(self, epoch, val_loss) -> None:
-                inner.on_epoch(epoch, val_loss)
+            def on_joined(self, epoch, peers, val_loss) -> None:
+                inner.on_joined(epoch, peers, val_loss)
+
+            def on_epoch(self, report) -> None:
+                inner.on_epoch(report)
 
             def on_round(self, report, group_payload_bytes) -> None:
                 inner.on_round(report, group_payload_bytes)

@@ -62,10 +62,9 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import common
+from peer.events import EpochEnded, Ready, read_events
 
 NAME = "scaling"
-EPOCH_LINE = re.compile(r"epoch (\d+): loss \S+\s+val_loss (\S+)")
-JOIN_LINE = re.compile(r"--initial-peers (\S+)")
 STOP_GRACE_SECONDS = 45.0
 HIDING_RUNS = {
     "alone": (1, ["--offload-optimizer", "--delay-updates"]),
@@ -82,7 +81,8 @@ def stop_all(peers: List["Peer"]) -> List[Optional[int]]:
 
 
 class Peer:
-    """One `peer start` subprocess whose output lines are read, with their arrival time, as they come."""
+    """One `peer start` subprocess: its events (when it was ready, its epochs) and its output lines, with
+    their arrival time, as they come."""
 
     def __init__(self, index: int, args: List[str], cpus: Optional[List[int]], threads: int, log_dir: Path,
                  env: Optional[Dict[str, str]] = None, marks: Optional[Dict[str, "re.Pattern"]] = None):
@@ -90,9 +90,11 @@ class Peer:
         self.index = index
         self.marks, self.marked = marks or {}, {}
         self.log_path = log_dir / f"peer-{index}.log"
+        self.events_path, self._events_offset = log_dir / f"peer-{index}.events.jsonl", 0
         self._log = open(self.log_path, "w")
         prefix = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
-        self.process = subprocess.Popen([*prefix, sys.executable, "-m", "peer", "start", *args],
+        self.process = subprocess.Popen([*prefix, sys.executable, "-m", "peer", "start", *args,
+                                         "--events", str(self.events_path)],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         text=True, bufsize=1, cwd=log_dir,
                                         env=common.child_env(OMP_NUM_THREADS=str(threads), **(env or {})),
@@ -110,16 +112,21 @@ class Peer:
             self._log.write(line)
             self._log.flush()  # the log must be whole even if this benchmark exits before the peer
             with self.changed:
-                if self.join_address is None and (match := JOIN_LINE.search(line)):
-                    self.join_address, self.joined_at = match.group(1), now
-                elif match := EPOCH_LINE.search(line):
-                    value = match.group(2)
-                    self.epochs.append((now, int(match.group(1)), float(value) if value != "n/a" else None))
                 for name, pattern in self.marks.items():
                     if name not in self.marked and pattern.search(line):
                         self.marked[name] = now
                 self.changed.notify_all()
         self._log.flush()
+
+    def refresh(self) -> None:
+        """Take in the events written since the last call (times on this process's monotonic clock)."""
+        events, self._events_offset = read_events(self.events_path, self._events_offset)
+        offset = time.monotonic() - time.time()
+        for event in events:
+            if isinstance(event, Ready) and self.join_address is None and event.multiaddrs:
+                self.join_address, self.joined_at = event.multiaddrs[0], event.time + offset
+            elif isinstance(event, EpochEnded):
+                self.epochs.append((event.time + offset, event.epoch, event.val_loss))
 
     def tail(self, chars: int = 1500) -> str:
         self._log.flush()
@@ -171,10 +178,10 @@ def launch(peers: int, extra: List[str], base: List[str], plan, threads: int, wo
 
 
 def wait_joined(peer: Peer, deadline: float, label: str) -> None:
-    """Wait until the peer printed its join line; raise with its log tail if it exits or the deadline passes."""
-    with peer.changed:
-        while peer.joined_at is None and peer.process.poll() is None and time.monotonic() < deadline:
-            peer.changed.wait(0.5)
+    """Wait until the peer is ready (its event); raise with its log tail if it exits or the deadline passes."""
+    while peer.joined_at is None and peer.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        peer.refresh()
     if peer.joined_at is None:
         raise RuntimeError(f"{label}: peer {peer.index} did not start; log tail:\n{peer.tail()}")
 
@@ -194,6 +201,7 @@ def scaling_run(run: common.Run, peers: int, repeat: int, settings: dict, base: 
         hit = None
         while hit is None and time.monotonic() < deadline:
             for peer in started:
+                peer.refresh()
                 with peer.changed:
                     for arrived, epoch, val_loss in peer.epochs:
                         if val_loss is not None and val_loss <= settings["target_val_loss"]:

@@ -20,6 +20,7 @@ from peer.builder import PeerBuilder
 from peer.checkpoint import CheckpointError
 from peer.config import PeerConfig
 from peer.device import resolve_device, resolve_precision
+from peer.events import EventLog, Exited, Ready
 from peer.exit_codes import BadInput, ExitCode
 from peer.logs import setup_logging
 from peer.manifest import ManifestUnreadable
@@ -52,8 +53,9 @@ def run_peer(config: PeerConfig) -> int:
     stop.install_handlers()
     logger.info(f"swarmtrain {__version__}; config: {config.model_dump_json()}")  # from here on, signals stop cleanly
     run, stack = PeerRun(), ExitStack()
+    builder = PeerBuilder(config, stop, stack)
     try:
-        run.code, run.reason = _run(config, stop, PeerBuilder(config, stop, stack), run)
+        run.code, run.reason = _run(config, stop, builder, run)
     except BadInput as e:
         for line in str(e).splitlines():
             print(f"error: {line}", file=sys.stderr, flush=True)
@@ -72,8 +74,9 @@ def run_peer(config: PeerConfig) -> int:
     except Exception as e:
         logger.error(f"peer failed: {type(e).__name__}: {e}", exc_info=True)
     finally:
-        with shutdown_deadline(SHUTDOWN_DEADLINE_SECONDS):
+        with shutdown_deadline(SHUTDOWN_DEADLINE_SECONDS, builder.events):
             finish(config, run, stack)
+        builder.events.emit(Exited(reason=run.reason, code=int(run.code)))
     arm_exit_deadline(EXIT_DEADLINE_SECONDS, run.code)
     return run.code
 
@@ -81,7 +84,7 @@ def run_peer(config: PeerConfig) -> int:
 def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerRun) -> tuple:
     try:
         # what this machine must allow, before anything is built or joined
-        check_output_paths(config.checkpoint.checkpoint_dir, config.logging.summary_json)
+        check_output_paths(config.checkpoint.checkpoint_dir, config.logging.summary_json, config.logging.events)
         check_listen_addresses(config.dht.host_maddrs)
         task = load_task(config.training.task, config.training.task_timeout_seconds)
         device = resolve_device(config.training.device)
@@ -95,6 +98,8 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
     dht = builder.dht()
     run.trainer = trainer = builder.training(task, device, precision, dht, monitoring, builder.display())
     print_join_instructions(config, dht)  # once this peer is a member: its settings matched the run's manifest
+    builder.events.emit(Ready(peer_id=str(dht.peer_id), run_id=config.training.run_id, multiaddrs=visible_maddrs(dht),
+                              metrics_url=metrics_url(config.monitoring.metrics_host, monitoring.port)))
     stop.install_handlers()  # hivemind's averagers set SIGINT to "ignore" in this process when they start
     builder.publisher(dht, trainer, monitoring)
     if not wait_for_min_peers(config, trainer):
@@ -114,6 +119,15 @@ def wait_for_min_peers(config: PeerConfig, trainer: Trainer) -> bool:
     logger.error(f"--min-peers {needed}: only {seen} peer(s) visible after {timeout:.0f}s; "
                  f"start more peers or lower --min-peers")
     return False
+
+
+def metrics_url(host: str, port: Optional[int]) -> Optional[str]:
+    """Where a program on this machine scrapes the metrics (an address listening on every interface is
+    reached through the loopback one)."""
+    if port is None:
+        return None
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
 
 def print_join_instructions(config: PeerConfig, dht) -> None:
@@ -157,9 +171,9 @@ def finish(config: PeerConfig, run: PeerRun, stack: ExitStack) -> None:
 
 
 @contextmanager
-def shutdown_deadline(seconds: float) -> Iterator[None]:
+def shutdown_deadline(seconds: float, events: EventLog) -> Iterator[None]:
     """Whatever hangs in the shutdown, the process exits within `seconds` (exit 1), children included."""
-    timer = threading.Timer(seconds, _give_up_shutdown, args=(seconds,))
+    timer = threading.Timer(seconds, _give_up_shutdown, args=(seconds, events))
     timer.daemon = True
     timer.start()
     try:
@@ -184,7 +198,8 @@ def arm_exit_deadline(seconds: float, code: int) -> None:
     timer.start()
 
 
-def _give_up_shutdown(seconds: float) -> None:
+def _give_up_shutdown(seconds: float, events: EventLog) -> None:
     logger.error(f"shutdown took longer than {seconds:.0f}s; exiting now")
+    events.emit(Exited(reason="shutdown_timeout", code=int(ExitCode.FAILED)))
     lifeline.kill_descendants()
     os._exit(ExitCode.FAILED)

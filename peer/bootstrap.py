@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,7 +25,7 @@ from peer.options import config_options_for, resolve_config
 logger = logging.getLogger("peer.bootstrap")
 
 DHT_FIELDS = [option.cli_name for option in OPTIONS.values() if option.section == "dht"]
-BOOTSTRAP_FIELDS = [*DHT_FIELDS, "run_id", "log_format", "verbose"]
+BOOTSTRAP_FIELDS = [*DHT_FIELDS, "run_id", "log_format", "verbose", "events"]
 LIVENESS_POLL_SECONDS = 1.0
 
 
@@ -52,9 +53,25 @@ def bootstrap(ctx: click.Context, write_maddrs: Optional[Path], **params: Any) -
 
 
 def run_bootstrap(config: PeerConfig, write_maddrs: Optional[Path] = None) -> int:
+    from peer.events import EventLog, Exited
+    from peer.outputs import check_output_file
+
+    events = EventLog(config.logging.events)
+    try:
+        check_output_file(config.logging.events, "--events")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return ExitCode.BAD_INPUT
+    code = _serve(config, write_maddrs, events)
+    events.emit(Exited(reason="stopped" if code == ExitCode.OK else "failed", code=int(code)))
+    return code
+
+
+def _serve(config: PeerConfig, write_maddrs: Optional[Path], events) -> int:
     from dht.node import DHTStartCancelled, DHTStartError, visible_maddrs
     from peer import lifeline
     from peer.builder import PeerBuilder
+    from peer.events import Ready
     from peer.logs import setup_logging
     from peer.signals import StopRequest, start_shared_memory_manager
 
@@ -74,6 +91,8 @@ def run_bootstrap(config: PeerConfig, write_maddrs: Optional[Path] = None) -> in
             if write_maddrs is not None:
                 write_lines_atomically(write_maddrs, maddrs)
             print_addresses(config, str(dht.peer_id), maddrs, write_maddrs)
+            events.emit(Ready(role="bootstrap", peer_id=str(dht.peer_id), run_id=config.training.run_id,
+                              multiaddrs=maddrs))
             while not stop.wait(LIVENESS_POLL_SECONDS):
                 if not dht.is_alive():
                     logger.error("the DHT process died; exiting (check the log above, rerun with --verbose)")

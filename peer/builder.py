@@ -19,7 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from averaging import hivemind_compat
-from averaging.api import Replica, RoundReport, SwarmOptimizer
+from averaging.api import Replica, SwarmOptimizer
 from averaging.compression import round_payload_bytes
 from averaging.factory import build_swarm_optimizer, progress_record_ttl_seconds
 from averaging.progress import clock_skew_allowed
@@ -42,9 +42,11 @@ from peer.checkpoint_lock import CheckpointDirLock
 from peer.config import PeerConfig
 from peer.data import make_loader
 from peer.device import describe_device
+from peer.events import EventLog
 from peer.exit_codes import BadInput
 from peer.logs import silence_hivemind
 from peer.manifest import join_run, manifest_for
+from peer.observers import EventsObserver, MetricsObserver, Observers
 from peer.precision import MixedPrecision
 from peer.progress import ProgressDisplay
 from peer.resume import restore_model, restore_optimizer
@@ -60,52 +62,6 @@ from peer.version import __version__
 logger = logging.getLogger("peer")
 
 
-class MetricsObserver(TrainingObserver):
-    """Feeds the training loop's reports into the Prometheus metrics and the bottleneck classifier."""
-
-    def __init__(self, metrics: PeerMetrics, classifier: BottleneckClassifier, health: HealthCheck):
-        self.metrics, self.classifier, self.health = metrics, classifier, health
-        self._next_classification = 0.0
-
-    def on_step(self, samples: int, loss: float) -> None:
-        self.metrics.record_step(samples, loss)
-        self.health.beat()
-        now = time.monotonic()
-        if now >= self._next_classification:  # once a second is plenty for a 60 s window
-            self._next_classification = now + 1.0
-            self.classifier.update()
-            self.metrics.set_bottleneck(self.classifier.fractions(), self.classifier.dominant)
-            self.metrics.update_gpu_memory()
-
-    def on_epoch(self, epoch: int, val_loss: Optional[float]) -> None:
-        self.metrics.set_global_epoch(epoch)
-        if val_loss is not None:
-            self.metrics.set_validation_loss(val_loss)
-
-    def on_round(self, report: RoundReport, payload_bytes: int) -> None:
-        # butterfly all-reduce: each peer sends (N-1)/N of the payload out and gets as much back, twice
-        n = max(1, report.group_size)
-        moved = int(2 * (n - 1) / n * payload_bytes) if report.outcome == "ok" else 0
-        self.metrics.record_round(report.outcome, report.seconds, report.group_size, moved, moved)
-
-    def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:
-        self.metrics.set_swarm(peers, samples_per_second, progress_ratio)
-
-    def on_checkpoint(self, ok: bool, problem: str = "") -> None:
-        # failing checkpoints leave the peer training but unhealthy: /healthz says why until one works again
-        if ok:
-            self.health.recover()
-        else:
-            self.metrics.record_checkpoint_failure()
-            self.health.degrade(problem)
-
-    def on_dropped_contribution(self, reason: str) -> None:
-        self.metrics.record_dropped_contribution(reason)
-
-    def on_exclusion(self, peer_id: str) -> None:
-        self.metrics.record_exclusion()
-
-
 @dataclass
 class Monitoring:
     """Phase timing, metrics and health of one peer; the exporter serves them when a port is set."""
@@ -114,7 +70,7 @@ class Monitoring:
     metrics: PeerMetrics
     classifier: BottleneckClassifier
     health: HealthCheck
-    observer: MetricsObserver
+    observer: TrainingObserver
     port: Optional[int] = None
     """Where /metrics is served; None with --metrics-port off."""
 
@@ -124,6 +80,7 @@ class PeerBuilder:
 
     def __init__(self, config: PeerConfig, stop: StopRequest, stack: ExitStack):
         self.config, self.stop, self.stack = config, stop, stack
+        self.events = EventLog(config.logging.events)
         self.keys = SwarmKeys.for_run(config.training.run_id, config.dht.swarm_key)
         self._dht_quiet = False
         self._checkpoint_lock: Optional[CheckpointDirLock] = None
@@ -140,7 +97,9 @@ class PeerBuilder:
         timer.add_listener(metrics.observe_phase)
         timer.add_listener(classifier.observe)
         metrics.set_info(__version__, describe_device(device), strategy, codec)
-        monitoring = Monitoring(timer, metrics, classifier, health, MetricsObserver(metrics, classifier, health))
+        events = EventsObserver(self.events)
+        observer = Observers(MetricsObserver(metrics, classifier, health, on_bottleneck=events.on_bottleneck), events)
+        monitoring = Monitoring(timer, metrics, classifier, health, observer)
         if config.metrics_port != "off":
             exporter = MetricsExporter(registry, config.metrics_port, config.metrics_host, health=health)
             try:

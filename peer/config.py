@@ -103,6 +103,10 @@ class LoggingConfig(BaseModel):
     verbose: bool = Field(default=False, description="Debug logs, hivemind's internals and tracebacks.")
     summary_json: Optional[Path] = Field(default=None, description="Write a JSON summary here at exit.")
     _summary_is_a_file = field_validator("summary_json")(_not_a_directory)
+    events: Optional[Path] = Field(default=None, description=(
+        "Append what this peer does here, one JSON object per line (ready, epoch, round, checkpoint, exit...), "
+        "for scripts and tests."))
+    _events_is_a_file = field_validator("events")(_not_a_directory)
 
 
 class PeerConfig(BaseModel):

@@ -25,8 +25,21 @@ def check_writable_directory(directory: Path, flag: str) -> None:
                          f"choose a writable directory") from None
 
 
-def check_output_paths(checkpoint_dir: Path, summary_json: Optional[Path]) -> None:
+def check_output_file(path: Optional[Path], flag: str) -> None:
+    """A file this peer will write (or append to): its directory writable, and not a FIFO or a device.
+
+    :raises ValueError: one line naming the flag, the path, why, and the fix
+    """
+    if path is None:
+        return
+    check_writable_directory(Path(path).absolute().parent, f"{flag}: the directory of")
+    if Path(path).exists() and not Path(path).is_file():
+        raise ValueError(f"{flag} {path} exists and is not a regular file (a FIFO or a device would block or "
+                         f"swallow what is written); give a file path")
+
+
+def check_output_paths(checkpoint_dir: Path, summary_json: Optional[Path], events: Optional[Path] = None) -> None:
     """:raises ValueError: the first path this peer could not write"""
     check_writable_directory(Path(checkpoint_dir), "--checkpoint-dir")
-    if summary_json is not None:
-        check_writable_directory(Path(summary_json).absolute().parent, "--summary-json: the directory of")
+    check_output_file(summary_json, "--summary-json")
+    check_output_file(events, "--events")

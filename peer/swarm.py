@@ -1,8 +1,8 @@
 """`peer swarm`: N peers on this machine, for trying things out and for tests.
 
-Peer 0 starts the swarm; the others are started once it prints its address, and join it.
-Each peer is a `peer start` subprocess with its own checkpoint subdirectory, metrics port
-and summary file; its output is prefixed with its name. With `--gpus`, one peer per GPU, each on its own
+Peer 0 starts the swarm; the others are started once its events file says it is ready, and join it.
+Each peer is a `peer start` subprocess with its own checkpoint subdirectory, metrics port, events
+file and summary file; its output is prefixed with its name. With `--gpus`, one peer per GPU, each on its own
 (`--device cuda:N`). A signal to this process is passed
 on to every peer (a second one kills them), and every peer is told to stop (SIGTERM, via
 the parent-death signal) if this process dies. Exits non-zero if any peer failed.
@@ -10,20 +10,20 @@ the parent-death signal) if this process dies. Exits non-zero if any peer failed
 from __future__ import annotations
 
 import ctypes
-import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 import click
 
 from peer.config import PeerConfig
+from peer.events import Ready, read_events
 from peer.exit_codes import ExitCode
 
-JOIN_LINE = re.compile(r"--initial-peers (\S+)")
 BOOTSTRAP_TIMEOUT_SECONDS = 180.0
 STOP_GRACE_SECONDS = 45.0
 PR_SET_PDEATHSIG = 1
@@ -35,8 +35,10 @@ def _die_with_parent() -> None:
 
 
 class LocalPeer:
-    def __init__(self, index: int, args: List[str]):
-        self.name = f"peer-{index}"
+    def __init__(self, index: int, args: List[str], events_path: Path):
+        self.name, self.events_path = f"peer-{index}", events_path
+        # the file may hold an earlier run's events: only what this run appends counts
+        self._events_offset = events_path.stat().st_size if events_path.is_file() else 0
         self.process = subprocess.Popen(
             [sys.executable, "-m", "peer", "start", *args],
             stdout=subprocess.PIPE,
@@ -46,19 +48,26 @@ class LocalPeer:
             bufsize=1,
             preexec_fn=_die_with_parent,
         )
-        self.join_address: Optional[str] = None
-        self.address_seen = threading.Event()
         self._reader = threading.Thread(target=self._relay_output, name=f"{self.name}-output", daemon=True)
         self._reader.start()
 
     def _relay_output(self) -> None:
         for line in self.process.stdout:
             click.echo(f"[{self.name}] {line.rstrip()}")
-            match = JOIN_LINE.search(line)
-            if match and self.join_address is None:
-                self.join_address = match.group(1)
-                self.address_seen.set()
-        self.address_seen.set()  # the process ended: stop waiting for an address
+
+    def join_address(self, timeout: float, stopping: threading.Event) -> Optional[str]:
+        """Its address once its `ready` event is written; None if it exits, a stop comes, or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not stopping.is_set():
+            exited = self.process.poll() is not None
+            events, _ = read_events(self.events_path, self._events_offset)
+            ready = next((event for event in events if isinstance(event, Ready) and event.multiaddrs), None)
+            if ready is not None:
+                return ready.multiaddrs[0]
+            if exited:
+                return None
+            stopping.wait(0.2)
+        return None
 
     def signal(self, signum: int) -> None:
         if self.process.poll() is None:
@@ -95,10 +104,18 @@ def choose_gpus(spec: str, gpu_count: int) -> List[int]:
     return gpus
 
 
+def events_path(config: PeerConfig, index: int) -> Path:
+    """Each peer's events file: <--events>.peer-N when --events is given, else next to its checkpoints."""
+    if config.logging.events is not None:
+        return Path(f"{config.logging.events}.peer-{index}")
+    return config.checkpoint.checkpoint_dir / f"peer-{index}.events.jsonl"
+
+
 def peer_args(config: PeerConfig, base_args: List[str], index: int, summary_dir: Optional[Path],
               gpus: Sequence[int] = ()) -> List[str]:
     """Per-peer overrides appended after the user's flags (the last occurrence of a flag wins)."""
     args = list(base_args)
+    args += ["--events", str(events_path(config, index))]
     if gpus:
         args += ["--device", f"cuda:{gpus[index]}"]
     port = config.monitoring.metrics_port
@@ -132,22 +149,26 @@ def run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Optional[Pa
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    first = LocalPeer(0, peer_args(config, base_args, 0, summary_dir, gpus))
+    try:
+        config.checkpoint.checkpoint_dir.mkdir(parents=True, exist_ok=True)  # where the events files go by default
+    except OSError:
+        pass  # peer 0 refuses the directory in one line, and exits
+    first = LocalPeer(0, peer_args(config, base_args, 0, summary_dir, gpus), events_path(config, 0))
     peers.append(first)
     if config.dht.initial_peers:
         initial_peers = ",".join(config.dht.initial_peers)  # joining an existing swarm: everyone uses it
     else:
-        first.address_seen.wait(BOOTSTRAP_TIMEOUT_SECONDS)
-        if first.join_address is None:
-            click.echo("[swarm] peer-0 exited or printed no address; not starting the others", err=True)
-            on_signal(signal.SIGTERM, None)
+        initial_peers = first.join_address(BOOTSTRAP_TIMEOUT_SECONDS, stopping)
+        if initial_peers is None:
+            if not stopping.is_set():
+                click.echo("[swarm] peer-0 exited or was not ready in time; not starting the others", err=True)
+                on_signal(signal.SIGTERM, None)
             return _wait_all(peers)
-        initial_peers = first.join_address
     for index in range(1, num_peers):
         if stopping.is_set():
             break
         args = peer_args(config, base_args, index, summary_dir, gpus) + ["--initial-peers", initial_peers]
-        peers.append(LocalPeer(index, args))
+        peers.append(LocalPeer(index, args, events_path(config, index)))
     return _wait_all(peers)
 
 

@@ -48,23 +48,50 @@ class TrainingDiverged(RuntimeError):
     """The loss stays non-finite and the swarm cannot give this peer finite weights: stop, do not spin."""
 
 
+@dataclass(frozen=True)
+class EpochReport:
+    """A global epoch as this peer lived it."""
+
+    epoch: int
+    train_loss: Optional[float]
+    """The mean loss of this peer's batches; None if it trained none (it downloaded the state)."""
+    val_loss: Optional[float]
+    samples: int
+    seconds: float
+    swarm_samples_per_second: float
+    peers: int
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / max(1e-9, self.seconds)
+
+
 class TrainingObserver:
-    """What the loop reports as it goes; the default does nothing. peer/builder.py connects it to metrics."""
+    """What the loop reports as it goes; the default does nothing. peer/observers.py connects it to the metrics
+    and the events file."""
+
+    def on_joined(self, epoch: int, peers: int, val_loss: Optional[float]) -> None:
+        """Training starts at `epoch` (after the start gate and any catching up)."""
 
     def on_step(self, samples: int, loss: float) -> None: ...
 
-    def on_epoch(self, epoch: int, val_loss: Optional[float]) -> None: ...
+    def on_epoch(self, report: EpochReport) -> None: ...
 
     def on_round(self, report: RoundReport, payload_bytes: int) -> None: ...
 
+    def on_state_loaded(self, epoch: int) -> None: ...
+
     def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None: ...
 
-    def on_checkpoint(self, ok: bool, problem: str = "") -> None:
-        """A checkpoint was written (ok), or not: then `problem` is one line for a person."""
+    def on_checkpoint(self, epoch: int, path: Optional[str], problem: str = "") -> None:
+        """A checkpoint was written to `path`, or not (path None): then `problem` is one line for a person."""
 
     def on_dropped_contribution(self, reason: str) -> None: ...
 
     def on_exclusion(self, peer_id: str) -> None: ...
+
+    def on_leaving(self, reason: str) -> None:
+        """The loop has ended, for `reason`; the peer checkpoints and leaves."""
 
 
 class RoundTally:
@@ -89,6 +116,7 @@ class RoundTally:
     def on_state_loaded(self, epoch: int) -> None:
         self.summary.state_downloads += 1
         logger.info(f"downloaded the swarm's state: now at epoch {epoch}")
+        self.observer.on_state_loaded(epoch)
 
     # the two below are called from the exclusion watch thread
     def on_dropped_contribution(self, reason: str) -> None:
@@ -184,7 +212,7 @@ class Trainer:
                         f"that failed")
         self._checkpoint_failures_in_a_row, self._checkpoints_failing_since = 0, None
         self.last_checkpoint = self.summary.last_checkpoint = str(path)
-        self.observer.on_checkpoint(True)
+        self.observer.on_checkpoint(epoch, str(path))
         return path
 
     def _checkpoint_failed(self, epoch: int, error: CheckpointError) -> None:
@@ -192,7 +220,7 @@ class Trainer:
         self._checkpoint_failures_in_a_row += 1
         if self._checkpoints_failing_since is None:
             self._checkpoints_failing_since = epoch
-        self.observer.on_checkpoint(False, (
+        self.observer.on_checkpoint(epoch, None, (
             f"checkpoints failing since epoch {self._checkpoints_failing_since} "
             f"({self._checkpoint_failures_in_a_row} in a row), training goes on: {error}"
         ))
@@ -236,17 +264,18 @@ class Trainer:
         val_loss = self.validate()
         self.summary.val_loss_first = self.summary.val_loss_last = val_loss
         self.summary.global_epoch = self._epoch_finished = self.optimizer.local_epoch
-        self.observer.on_epoch(self.optimizer.local_epoch, val_loss)
+        self.observer.on_joined(self.optimizer.local_epoch, self.optimizer.swarm_view().peers, val_loss)
         stats = EpochStats(started_at=time.monotonic())
 
         while True:
             if training.max_epochs is not None and self.optimizer.local_epoch >= training.max_epochs:
+                self.observer.on_leaving("max_epochs")
                 self.session.leave_at_last_epoch(self.rounds.last_outcome)
                 return "max_epochs"
             if training.max_seconds is not None and time.monotonic() - started >= training.max_seconds:
-                return "max_seconds"
+                return self._leaving("max_seconds")
             if self.stop:
-                return f"signal:{self.stop.signal_name}"
+                return self._leaving(f"signal:{self.stop.signal_name}")
 
             epoch_before = self.optimizer.local_epoch
             step_started = time.monotonic()
@@ -262,6 +291,10 @@ class Trainer:
             if self.optimizer.local_epoch != epoch_before:
                 self._finish_epoch(stats)
                 stats = EpochStats(started_at=time.monotonic())
+
+    def _leaving(self, reason: str) -> str:
+        self.observer.on_leaving(reason)
+        return reason
 
     def _step(self, batches) -> Optional[float]:
         """One local step; its loss, or None if the batch was skipped (a non-finite loss, an fp16 overflow)."""
@@ -336,15 +369,13 @@ class Trainer:
         val_loss = self.validate()
         self.summary.global_epoch = epoch
         self.summary.val_loss_last = val_loss
-        self.observer.on_epoch(epoch, val_loss)
-        elapsed = max(1e-9, time.monotonic() - stats.started_at)
-        self.display.epoch_line(
-            epoch=epoch,
-            train_loss=stats.mean_loss,
-            val_loss=val_loss,
-            samples_per_second=stats.samples / elapsed,
-            peers=max(1, self.optimizer.swarm_view().peers),
-        )
+        view = self.optimizer.swarm_view()
+        report = EpochReport(epoch=epoch, train_loss=stats.mean_loss, val_loss=val_loss, samples=stats.samples,
+                             seconds=time.monotonic() - stats.started_at,
+                             swarm_samples_per_second=view.swarm_samples_per_second, peers=max(1, view.peers))
+        self.observer.on_epoch(report)
+        self.display.epoch_line(epoch=epoch, train_loss=report.train_loss, val_loss=val_loss,
+                                samples_per_second=report.samples_per_second, peers=report.peers)
         # every K epochs, also when a state download jumps over a multiple of K
         every, previous = self.config.checkpoint.checkpoint_every_epochs, self._epoch_finished
         self._epoch_finished = epoch

@@ -7,7 +7,7 @@ child of a peer (DHT process, p2pd, averagers) survived it.
 from __future__ import annotations
 
 import os
-import re
+import signal
 import socket
 import subprocess
 import sys
@@ -20,10 +20,10 @@ import psutil
 import pytest
 import torch
 
-from benchmarks.common import child_env, kill_session
+from peer.events import Event, Ready, latest_epoch, read_events
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-JOIN_LINE = re.compile(r"--initial-peers (\S+)")
+EVENT_WRITERS = ("start", "bootstrap")  # the commands that take --events
 
 # Small, fast settings shared by the multi-peer tests.
 FAST_SWARM_ARGS = [
@@ -66,12 +66,6 @@ def tmpfs(mount_point: Path, size: str, command_timeout_seconds: float = 30.0) -
         subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=command_timeout_seconds)
 
 
-def epochs_in(log: str) -> int:
-    """The last global epoch a peer's log reports (its "epoch N: ..." lines), 0 before the first."""
-    lines = [line for line in log.splitlines() if line.startswith("epoch ")]
-    return int(lines[-1].split()[1].rstrip(":")) if lines else 0
-
-
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.2, message: str = "") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -82,10 +76,14 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
 
 
 class PeerProcess:
-    """One `peer <command> ...` subprocess with its log in a file."""
+    """One `peer <command> ...` subprocess with its log in a file, and for `start` and `bootstrap` its events
+    in another (log_path with .events.jsonl): state is learned from the events, the log is for people."""
 
     def __init__(self, log_path: Path, args: List[str], env: Optional[Dict[str, str]] = None):
         self.log_path = log_path
+        self.events_path = log_path.with_suffix(".events.jsonl")
+        if args and args[0] in EVENT_WRITERS:
+            args = [*args, "--events", str(self.events_path)]
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "peer", *args],
@@ -93,7 +91,7 @@ class PeerProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=log_path.parent,
-            env=child_env(**(env or {})),
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT), **(env or {})},
             start_new_session=True,
         )
         self.pid = self.process.pid
@@ -102,14 +100,26 @@ class PeerProcess:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
 
-    def join_address(self, timeout: float = 90.0) -> str:
+    def events(self) -> List[Event]:
+        return read_events(self.events_path)[0]
+
+    def ready(self, timeout: float = 90.0) -> Ready:
+        """Its `ready` event: it is a member of the swarm."""
         def found() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"peer exited with {self.process.returncode}:\n{self.log()[-3000:]}")
-            return JOIN_LINE.search(self.log()) is not None
+            return any(isinstance(event, Ready) for event in self.events())
 
-        wait_until(found, timeout, message=f"join address in {self.log_path}")
-        return JOIN_LINE.search(self.log()).group(1)
+        wait_until(found, timeout, message=f"a ready event in {self.events_path}")
+        return next(event for event in self.events() if isinstance(event, Ready))
+
+    def epoch(self) -> int:
+        """The newest global epoch it reported; -1 before it joined."""
+        return latest_epoch(self.events())
+
+    def join_address(self, timeout: float = 90.0) -> str:
+        """What others pass as --initial-peers to join it."""
+        return self.ready(timeout).multiaddrs[0]
 
     def send(self, signum: int) -> None:
         if self.process.poll() is None:
@@ -127,9 +137,16 @@ class PeerProcess:
         except psutil.Error:
             return []
 
-    def kill_everything(self) -> None:
-        """Last resort: kill the whole session (the peer and everything it started)."""
-        kill_session(self.process)
+    def kill_everything(self, wait_seconds: float = 10.0) -> None:
+        """Last resort: kill the whole session (the peer and everything it started), and reap it."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(wait_seconds)
+        except subprocess.TimeoutExpired:
+            pass
         self._log.close()
 
 

@@ -52,6 +52,7 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "log_format": [lambda t: "xml"],
     "verbose": [lambda t: "maybe"],
     "summary_json": [lambda t: str(t)],
+    "events": [lambda t: str(t)],
     "initial_peers": [lambda t: "not-a-multiaddr", lambda t: "/ip4/999.1.1.1/tcp/1"],
     "initial_peers_file": [lambda t: str(t / "missing.txt"), lambda t: _file(t, "peers.txt", "garbage\n"),
                            lambda t: _fifo(t, "peers.txt"), lambda t: _file(t, "big.txt", "#" * (2 << 20))],
@@ -265,11 +266,14 @@ def test_bad_task_exits_2_without_traceback(tmp_path, module_source, task, expec
         (["--host-maddrs", "/ip4/8.8.8.8/tcp/0"], "8.8.8.8 is not an address of this machine"),
         (["--checkpoint-dir", "{tmp}/a-file/ckpt"], "--checkpoint-dir {tmp}/a-file/ckpt is not a directory this peer"),
         (["--summary-json", "{tmp}/a-file/summary.json"], "--summary-json: the directory of {tmp}/a-file is not"),
+        (["--events", "{tmp}/a-file/events.jsonl"], "--events: the directory of {tmp}/a-file is not"),
+        (["--events", "{tmp}/a-fifo"], "--events {tmp}/a-fifo exists and is not a regular file"),
         (["--device", "cuda:7"], "--device cuda:7: "),  # no GPU here, or no GPU 7 on a machine with a few
     ],
 )
 def test_problems_found_at_start_are_bad_input_named_before_joining(tmp_path, args, expected):
     (tmp_path / "a-file").write_text("a regular file, where a directory is needed")
+    os.mkfifo(tmp_path / "a-fifo")
     result = run_peer_process(tmp_path, "--task", "bytelm-tiny", "--metrics-port", "0",
                               *[arg.format(tmp=tmp_path) for arg in args])
     output = result.stdout + result.stderr

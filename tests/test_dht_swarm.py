@@ -12,6 +12,7 @@ from typing import List
 
 import pytest
 
+from peer.events import Exited, Ready
 from tests.peers import REPO_ROOT, session_processes, start_peer, wait_until
 
 pytestmark = pytest.mark.integration
@@ -151,3 +152,6 @@ def test_peers_that_know_only_the_bootstrap_node_find_each_other_and_average(spa
     assert boot.wait(30) == 0, boot.log()[-3000:]
     assert "Traceback" not in boot.log()
     wait_until(lambda: not session_processes(boot.pid), 15, message="every child of the bootstrap node to exit")
+    ready, exited = boot.events()  # its events file: the same addresses, then a clean exit
+    assert isinstance(ready, Ready) and ready.role == "bootstrap" and ready.multiaddrs == maddrs
+    assert isinstance(exited, Exited) and exited.code == 0

@@ -13,7 +13,6 @@ import pytest
 from peer.checkpoint import CheckpointStore
 from tests.peers import (
     FAST_SWARM_ARGS,
-    epochs_in,
     load_model_state,
     max_parameter_difference,
     session_processes,
@@ -40,13 +39,13 @@ def test_peer_killed_mid_round_survivors_go_on_and_it_catches_up_after_restart(s
     others = [spawn(f"p{i}", *swarm_args(tmp_path, f"p{i}", "--min-peers", "4", "--max-epochs", str(epochs),
                                          "--initial-peers", address)) for i in (1, 2, 3)]
     victim, survivors = others[-1], [first, *others[:-1]]
-    wait_until(lambda: epochs_in(victim.log()) >= 4, 150, message="four epochs of a 4-peer swarm")
+    wait_until(lambda: victim.epoch() >= 4, 150, message="four epochs of a 4-peer swarm")
 
     # the tiny model's epochs are mostly matchmaking and all-reduce: a kill now lands mid-round
     victim.send(signal.SIGKILL)
     victim.wait(10)
-    killed_at = max(epochs_in(peer.log()) for peer in survivors)
-    wait_until(lambda: min(epochs_in(peer.log()) for peer in survivors) >= killed_at + 3, 90,
+    killed_at = max(peer.epoch() for peer in survivors)
+    wait_until(lambda: min(peer.epoch() for peer in survivors) >= killed_at + 3, 90,
                message="the survivors to advance three more epochs")
 
     restarted = spawn("p3-again", *swarm_args(tmp_path, "p3", "--max-epochs", str(epochs), "--initial-peers", address))
@@ -78,10 +77,10 @@ def test_churn_soak(spawn, tmp_path: Path, soak_seconds: float):
     alive = {"s0": first}
     for name in names[1:]:
         alive[name] = spawn(f"{name}-0", *swarm_args(tmp_path, name, "--initial-peers", address))
-    wait_until(lambda: all(epochs_in(p.log()) >= 2 for p in alive.values()), 120, message="a trained swarm")
+    wait_until(lambda: all(p.epoch() >= 2 for p in alive.values()), 120, message="a trained swarm")
     rss_start = {name: psutil.Process(p.pid).memory_info().rss for name, p in alive.items()}
     restarts, dead, killed = {name: 0 for name in names}, {}, []
-    epoch_marks = [max(epochs_in(p.log()) for p in alive.values())]
+    epoch_marks = [max(p.epoch() for p in alive.values())]
     deadline = time.monotonic() + soak_seconds
 
     while time.monotonic() < deadline:
@@ -98,12 +97,12 @@ def test_churn_soak(spawn, tmp_path: Path, soak_seconds: float):
             victim.wait(40)
             dead[name] = victim
             killed.append(victim)
-        epoch_marks.append(max(epochs_in(p.log()) for p in alive.values()))
+        epoch_marks.append(max(p.epoch() for p in alive.values()))
 
     assert epoch_marks[-1] > epoch_marks[0] + 5, epoch_marks
     survivors_rss = {name: psutil.Process(p.pid).memory_info().rss for name, p in alive.items() if name in rss_start}
     # a peer restarted a moment ago may still be importing torch, before its SIGTERM handler exists
-    wait_until(lambda: all("config: " in p.log() for p in alive.values()), 60, message="every peer to be up")
+    wait_until(lambda: all(p.events() for p in alive.values()), 90, message="every peer to be up (its ready event)")
     for peer in alive.values():
         peer.send(signal.SIGTERM)
     for name, peer in alive.items():

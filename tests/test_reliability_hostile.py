@@ -7,10 +7,12 @@ import json
 import re
 import signal
 from pathlib import Path
+from typing import List
 
 import pytest
 import torch
 
+from peer.events import PeerExcluded
 from tests.peers import load_model_state, max_parameter_difference, start_peer, wait_until
 
 MALICIOUS_TASK = "tests.tasks_for_tests:make_malicious_task"
@@ -19,8 +21,11 @@ MALICIOUS_TASK = "tests.tasks_for_tests:make_malicious_task"
 # and it does little harm. So it goes first; NaN and x1e4 are caught at any stage.
 ATTACK_FACTORS = {"sign-flipped": "-1", "nan": "nan", "scaled-1e4": "1e4"}
 HONEST = ("a", "b", "c")
-EXCLUDING = re.compile(r"excluding peer (\S+)")
 EPOCHS = 120  # the three attacks take 30 to 90 epochs (under suite load), then the swarm trains on alone
+
+
+def excluded_by(peer) -> List[str]:
+    return [event.peer_id for event in peer.events() if isinstance(event, PeerExcluded)]
 
 
 @pytest.mark.integration
@@ -53,10 +58,8 @@ def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on(spawn
     for attack, factor in ATTACK_FACTORS.items():
         attacker = start_peer(spawn, tmp_path, attack, *common, "--min-peers", "4", "--task", MALICIOUS_TASK,
                               "--initial-peers", address, env={"ATTACK_FACTOR": factor})
-        attacker.join_address()
-        attacker_id = attackers[attack] = re.search(r"peer id (\S+);", attacker.log()).group(1)
-
-        wait_until(lambda peer_id=attacker_id: all(peer_id in EXCLUDING.findall(peer.log()) for peer in honest),
+        attacker_id = attackers[attack] = attacker.ready().peer_id
+        wait_until(lambda peer_id=attacker_id: all(peer_id in excluded_by(peer) for peer in honest),
                    120, message=f"every honest peer excludes the {attack} attacker")
         attacker.send(signal.SIGTERM)
         assert attacker.wait(60) in (0, 1), attacker.log()[-3000:]  # 1: a NaN attacker diverges on its own

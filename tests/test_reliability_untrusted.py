@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
+from typing import List
 
 import hivemind
 import pytest
@@ -15,7 +16,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.keys import SwarmKeys
-from tests.peers import epochs_in, start_peer, wait_until
+from peer.events import EpochEnded
+from tests.peers import start_peer, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +42,10 @@ def forge_progress(address: str, epoch: int, samples: int) -> hivemind.DHT:
     return forger
 
 
+def peers_per_epoch(peer) -> List[int]:
+    return [event.peers for event in peer.events() if isinstance(event, EpochEnded)]
+
+
 @pytest.mark.timeout(300)
 def test_incompatible_peers_are_refused_and_forged_progress_freezes_nobody(spawn, tmp_path: Path):
     first = start_peer(spawn, tmp_path, "a", "--target-batch-size", TARGET, "--max-seconds", "240")
@@ -55,20 +61,20 @@ def test_incompatible_peers_are_refused_and_forged_progress_freezes_nobody(spawn
         assert "use a new --run-id" in errors[-1]
         assert "Traceback" not in mismatched[name].log()
     # the training peer never counted them: every epoch so far had it alone in the swarm
-    wait_until(lambda: epochs_in(first.log()) >= 2, 90, message="the first peer to train two epochs")
-    epoch_lines = [line for line in first.log().splitlines() if line.startswith("epoch ")]
-    assert all(line.endswith("peers 1") for line in epoch_lines), epoch_lines
-    epoch_after_refusals = epochs_in(first.log())
+    wait_until(lambda: first.epoch() >= 2, 90, message="the first peer to train two epochs")
+    epochs = [event for event in first.events() if isinstance(event, EpochEnded)]
+    assert epochs and all(event.peers == 1 for event in epochs), epochs
+    epoch_after_refusals = first.epoch()
 
     # 2. forged progress: epoch 10^9, and 10^12 samples
-    forgers = [forge_progress(address, 10**9, 0), forge_progress(address, epochs_in(first.log()), 10**12)]
+    forgers = [forge_progress(address, 10**9, 0), forge_progress(address, first.epoch(), 10**12)]
     try:
-        epoch_at_forgery = epochs_in(first.log())
+        epoch_at_forgery = first.epoch()
         second = start_peer(spawn, tmp_path, "b", "--target-batch-size", TARGET, "--initial-peers", address,
                             "--max-seconds", "200")
-        wait_until(lambda: epochs_in(second.log()) >= epoch_at_forgery + 3 and "peers 2" in second.log(), 120,
+        wait_until(lambda: second.epoch() >= epoch_at_forgery + 3 and 2 in peers_per_epoch(second), 120,
                    message="the newcomer to train with the first peer, three epochs past the forgery")
-        assert epochs_in(first.log()) >= epoch_at_forgery + 3 >= epoch_after_refusals + 3
+        assert first.epoch() >= epoch_at_forgery + 3 >= epoch_after_refusals + 3
         for peer in (first, second):
             peer.send(signal.SIGTERM)
             assert peer.wait(60) == 0, peer.log()[-3000:]

@@ -31,7 +31,14 @@ from peer.resume import restore_model, restore_optimizer
 from peer.signals import StopRequest
 from peer.summary import PeerSummary
 from peer.tasks import Task, load_task
-from peer.trainer import NONFINITE_LOSS_LIMIT, RoundTally, Trainer, TrainingDiverged, TrainingObserver
+from peer.trainer import (
+    NONFINITE_LOSS_LIMIT,
+    EpochReport,
+    RoundTally,
+    Trainer,
+    TrainingDiverged,
+    TrainingObserver,
+)
 from tests.tasks_for_tests import FEATURES, SyntheticDataset, mse_loss, sgd
 
 BATCH = 8
@@ -155,8 +162,11 @@ class RecordingObserver(TrainingObserver):
         self.steps.append((samples, loss))
         self.after_step(len(self.steps))
 
-    def on_epoch(self, epoch: int, val_loss: Optional[float]) -> None:
+    def on_joined(self, epoch: int, peers: int, val_loss: Optional[float]) -> None:
         self.epochs.append((epoch, val_loss))
+
+    def on_epoch(self, report: EpochReport) -> None:
+        self.epochs.append((report.epoch, report.val_loss))
 
     def on_round(self, report: RoundReport, payload_bytes: int) -> None:
         self.rounds.append((report, payload_bytes))

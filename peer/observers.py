@@ -1,0 +1,167 @@
+"""Where the training loop's reports go: the Prometheus metrics and the events file.
+
+The Trainer reports to one TrainingObserver (peer/trainer.py); the builder gives it an
+`Observers` that hands every report to each of these in turn.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, Optional
+
+from averaging.api import RoundReport
+from monitoring import BottleneckClassifier, HealthCheck, PeerMetrics
+from monitoring.classifier import BottleneckChange
+from peer.events import (
+    BottleneckChanged,
+    CheckpointWritten,
+    EpochEnded,
+    EventLog,
+    Joined,
+    Leaving,
+    PeerExcluded,
+    RoundEnded,
+    StateDownloaded,
+)
+from peer.trainer import EpochReport, TrainingObserver
+
+BottleneckListener = Callable[[BottleneckChange, Dict[str, float]], None]
+
+
+class MetricsObserver(TrainingObserver):
+    """Feeds the training loop's reports into the Prometheus metrics and the bottleneck classifier."""
+
+    def __init__(self, metrics: PeerMetrics, classifier: BottleneckClassifier, health: HealthCheck,
+                 on_bottleneck: BottleneckListener = lambda change, fractions: None):
+        self.metrics, self.classifier, self.health = metrics, classifier, health
+        self.on_bottleneck = on_bottleneck
+        self._next_classification = 0.0
+
+    def on_joined(self, epoch: int, peers: int, val_loss: Optional[float]) -> None:
+        self._set_epoch(epoch, val_loss)
+
+    def on_step(self, samples: int, loss: float) -> None:
+        self.metrics.record_step(samples, loss)
+        self.health.beat()
+        now = time.monotonic()
+        if now >= self._next_classification:  # once a second is plenty for a 60 s window
+            self._next_classification = now + 1.0
+            change = self.classifier.update()
+            fractions = self.classifier.fractions()
+            self.metrics.set_bottleneck(fractions, self.classifier.dominant)
+            self.metrics.update_gpu_memory()
+            if change is not None:
+                self.on_bottleneck(change, fractions)
+
+    def on_epoch(self, report: EpochReport) -> None:
+        self._set_epoch(report.epoch, report.val_loss)
+
+    def _set_epoch(self, epoch: int, val_loss: Optional[float]) -> None:
+        self.metrics.set_global_epoch(epoch)
+        if val_loss is not None:
+            self.metrics.set_validation_loss(val_loss)
+
+    def on_round(self, report: RoundReport, payload_bytes: int) -> None:
+        # butterfly all-reduce: each peer sends (N-1)/N of the payload out and gets as much back, twice
+        n = max(1, report.group_size)
+        moved = int(2 * (n - 1) / n * payload_bytes) if report.outcome == "ok" else 0
+        self.metrics.record_round(report.outcome, report.seconds, report.group_size, moved, moved)
+
+    def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:
+        self.metrics.set_swarm(peers, samples_per_second, progress_ratio)
+
+    def on_checkpoint(self, epoch: int, path: Optional[str], problem: str = "") -> None:
+        # failing checkpoints leave the peer training but unhealthy: /healthz says why until one works again
+        if path is not None:
+            self.health.recover()
+        else:
+            self.metrics.record_checkpoint_failure()
+            self.health.degrade(problem)
+
+    def on_dropped_contribution(self, reason: str) -> None:
+        self.metrics.record_dropped_contribution(reason)
+
+    def on_exclusion(self, peer_id: str) -> None:
+        self.metrics.record_exclusion()
+
+
+class EventsObserver(TrainingObserver):
+    """Writes the loop's reports to the events file (peer/events.py); steps are too many to be events."""
+
+    def __init__(self, events: EventLog):
+        self.events = events
+
+    def on_joined(self, epoch: int, peers: int, val_loss: Optional[float]) -> None:
+        self.events.emit(Joined(epoch=epoch, peers=peers, val_loss=val_loss))
+
+    def on_epoch(self, report: EpochReport) -> None:
+        self.events.emit(EpochEnded(
+            epoch=report.epoch, train_loss=report.train_loss, val_loss=report.val_loss, samples=report.samples,
+            seconds=report.seconds, samples_per_second=report.samples_per_second,
+            swarm_samples_per_second=report.swarm_samples_per_second, peers=report.peers,
+        ))
+
+    def on_round(self, report: RoundReport, payload_bytes: int) -> None:
+        self.events.emit(RoundEnded(outcome=report.outcome, seconds=report.seconds, group_size=report.group_size,
+                                    reason=report.reason))
+
+    def on_state_loaded(self, epoch: int) -> None:
+        self.events.emit(StateDownloaded(epoch=epoch))
+
+    def on_checkpoint(self, epoch: int, path: Optional[str], problem: str = "") -> None:
+        self.events.emit(CheckpointWritten(epoch=epoch, ok=path is not None, path=path, problem=problem))
+
+    def on_exclusion(self, peer_id: str) -> None:
+        self.events.emit(PeerExcluded(peer_id=peer_id))
+
+    def on_leaving(self, reason: str) -> None:
+        self.events.emit(Leaving(reason=reason))
+
+    def on_bottleneck(self, change: BottleneckChange, fractions: Dict[str, float]) -> None:
+        self.events.emit(BottleneckChanged(category=change.new, previous=change.old, fractions=fractions))
+
+
+class Observers(TrainingObserver):
+    """Hands every report to each observer, in order."""
+
+    def __init__(self, *observers: TrainingObserver):
+        self.observers = observers
+
+    def on_joined(self, epoch: int, peers: int, val_loss: Optional[float]) -> None:
+        for observer in self.observers:
+            observer.on_joined(epoch, peers, val_loss)
+
+    def on_step(self, samples: int, loss: float) -> None:
+        for observer in self.observers:
+            observer.on_step(samples, loss)
+
+    def on_epoch(self, report: EpochReport) -> None:
+        for observer in self.observers:
+            observer.on_epoch(report)
+
+    def on_round(self, report: RoundReport, payload_bytes: int) -> None:
+        for observer in self.observers:
+            observer.on_round(report, payload_bytes)
+
+    def on_state_loaded(self, epoch: int) -> None:
+        for observer in self.observers:
+            observer.on_state_loaded(epoch)
+
+    def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:
+        for observer in self.observers:
+            observer.on_swarm(peers, samples_per_second, progress_ratio)
+
+    def on_checkpoint(self, epoch: int, path: Optional[str], problem: str = "") -> None:
+        for observer in self.observers:
+            observer.on_checkpoint(epoch, path, problem)
+
+    def on_dropped_contribution(self, reason: str) -> None:
+        for observer in self.observers:
+            observer.on_dropped_contribution(reason)
+
+    def on_exclusion(self, peer_id: str) -> None:
+        for observer in self.observers:
+            observer.on_exclusion(peer_id)
+
+    def on_leaving(self, reason: str) -> None:
+        for observer in self.observers:
+            observer.on_leaving(reason)

@@ -1,0 +1,316 @@
+"""An asyncio harness for testing swarms: real `peer start` processes, awaited through their events.
+
+For a researcher checking that a task trains in a swarm and survives a kill, an operator checking a
+config change, and this project's own integration tests::
+
+    from peer.testing import Swarm
+
+    async def test_my_task_trains_in_a_swarm(tmp_path):
+        async with Swarm(tmp_path, "--task", "my_tasks:make_task", "--target-batch-size", "64") as swarm:
+            first, second = await swarm.start(2, "--max-epochs", "5")
+            await swarm.all_reached(epoch=5, timeout=300)
+            assert await first.exit_code(timeout=120) == 0
+
+Every peer runs in its own session (so that a kill reaches its DHT, p2pd and averager processes),
+writes its events to <workdir>/<name>.events.jsonl (peer/events.py), its output to
+<workdir>/<name>.log and its checkpoints to <workdir>/<name>/. State is learned only from events;
+the log is for failure messages. Every wait has a timeout and says what it waited for; a peer that
+exits while awaited fails the wait at once, with the tail of its log. Leaving the `async with`, on
+any path, kills every process still running and checks that nothing of theirs survived.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Type, TypeVar
+
+import psutil
+import torch
+
+from peer.events import Event, Exited, Ready, latest_epoch, read_events
+
+POLL_SECONDS = 0.1
+KILL_WAIT_SECONDS = 10.0
+FAST_ARGS = (
+    "--matchmaking-seconds", "1",
+    "--averaging-timeout-seconds", "10",
+    "--data-workers", "1",
+    "--val-batches", "4",
+)
+"""Short rounds and light data loading, for swarms of small models on one machine (opt in with fast=True)."""
+
+E = TypeVar("E", bound=Event)
+T = TypeVar("T")
+
+
+class PeerFailed(AssertionError):
+    """A peer exited, or did not do in time, what a test awaited; the message ends with its log's tail."""
+
+
+class Peer:
+    """One `peer start` (or `peer bootstrap`) process of a Swarm."""
+
+    def __init__(self, name: str, command: str, args: Sequence[str], workdir: Path,
+                 env: Optional[Dict[str, str]] = None, namespace: Optional[str] = None):
+        self.name, self.command, self.args = name, command, list(args)
+        self.workdir, self.namespace = workdir, namespace
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.events_path = workdir / f"{name}.events.jsonl"
+        self.log_path = workdir / f"{name}.log"
+        self.checkpoint_dir = workdir / name
+        self.process: Optional[subprocess.Popen] = None
+        self._events: List[Event] = []  # this life's (since the last start)
+        self._offset = 0
+
+    # --- processes ---------------------------------------------------------------------------
+
+    def start(self) -> "Peer":
+        """Start the process (again, after it exited: same arguments, same checkpoint directory)."""
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"{self.name} is still running")
+        self._refresh()
+        self._events = []  # the events file is appended to: what an earlier life wrote stays behind the offset
+        prefix = ["ip", "netns", "exec", self.namespace] if self.namespace else []
+        with open(self.log_path, "a") as log:
+            self.process = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "peer", self.command, *self.args, "--events", str(self.events_path)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd(), env=self.env,
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self._running_process().pid
+
+    def send(self, signum: int) -> None:
+        """Send a signal to the peer process alone (SIGTERM or SIGINT: it stops cleanly)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def terminate(self) -> None:
+        self.send(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the peer and everything it started: a machine that lost power."""
+        self._signal_session(signal.SIGKILL)
+
+    def pause(self) -> None:
+        """SIGSTOP the peer and its children: a machine that froze (resume() thaws it)."""
+        self._signal_session(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_session(signal.SIGCONT)
+
+    def _signal_session(self, signum: int) -> None:
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    async def exit_code(self, timeout: float) -> int:
+        """Wait for the process to exit; its exit code."""
+        process = self._running_process()
+        deadline = time.monotonic() + timeout
+        while process.poll() is None:
+            if time.monotonic() >= deadline:
+                raise PeerFailed(f"{self.name} still running after {timeout:.0f}s\n{self.log_tail()}")
+            await asyncio.sleep(POLL_SECONDS)
+        return process.returncode
+
+    async def restart(self, timeout: float = 90.0) -> Ready:
+        """Start again with the same checkpoint directory once the process has exited; its new `ready` event."""
+        await self.exit_code(timeout)
+        self.start()
+        return await self.ready(timeout)
+
+    def _running_process(self) -> subprocess.Popen:
+        if self.process is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self.process
+
+    def session_processes(self) -> List[psutil.Process]:
+        """Live processes of this peer's session: the peer and everything it started."""
+        if self.process is None:
+            return []
+        alive = []
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if os.getsid(proc.pid) == self.process.pid and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                continue
+        return alive
+
+    # --- events ------------------------------------------------------------------------------
+
+    @property
+    def events(self) -> List[Event]:
+        """Every event this life of the peer has written so far."""
+        self._refresh()
+        return list(self._events)
+
+    def _refresh(self) -> None:
+        new, self._offset = read_events(self.events_path, self._offset)
+        self._events += new
+
+    async def wait_for(self, kind: Type[E], where: Callable[[E], bool] = lambda event: True, *, timeout: float,
+                       what: str = "") -> E:
+        """The first event of `kind` (in this life) for which `where` holds."""
+        def found() -> Optional[E]:
+            return next((event for event in self.events if isinstance(event, kind) and where(event)), None)
+
+        return await self._until(found, timeout, what or f"a {kind.__name__} event")
+
+    async def _until(self, condition: Callable[[], Optional[T]], timeout: float, what: str) -> T:
+        deadline = time.monotonic() + timeout
+        while True:
+            exited = self.process is not None and self.process.poll() is not None
+            result = condition()  # after the exit check: what it wrote just before it exited counts
+            if result is not None:
+                return result
+            if exited:
+                raise PeerFailed(f"{self.name} exited with code {self.process.returncode} while awaited for {what}"
+                                 f"\n{self.log_tail()}")
+            if time.monotonic() >= deadline:
+                raise PeerFailed(f"{self.name}: timed out after {timeout:.0f}s waiting for {what}\n{self.log_tail()}")
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def ready(self, timeout: float = 90.0) -> Ready:
+        return await self.wait_for(Ready, timeout=timeout, what="it to be ready (a member of the swarm)")
+
+    @property
+    def address(self) -> str:
+        """The first multiaddr it listens on, once ready (what others pass as --initial-peers)."""
+        ready = [event for event in self.events if isinstance(event, Ready)]
+        if not ready or not ready[-1].multiaddrs:
+            raise RuntimeError(f"{self.name} has no address yet: await ready() first")
+        return ready[-1].multiaddrs[0]
+
+    @property
+    def epoch(self) -> int:
+        """The newest global epoch it reported (joined at, ended, or downloaded); -1 before it joined."""
+        return latest_epoch(self.events)
+
+    async def reach(self, epoch: int, timeout: float) -> int:
+        """Wait until it is at `epoch` or later; the epoch it is at."""
+        return await self._until(lambda: self.epoch if self.epoch >= epoch else None, timeout,
+                                 f"epoch {epoch}")
+
+    async def exited(self, timeout: float) -> Exited:
+        """Its `exit` event, once it has exited (a killed peer writes none: this fails, naming its code)."""
+        code = await self.exit_code(timeout)
+        return await self.wait_for(Exited, timeout=1.0, what=f"an exit event (exit code {code})")
+
+    # --- results -----------------------------------------------------------------------------
+
+    def model_state(self) -> Dict[str, torch.Tensor]:
+        """The model tensors of its newest checkpoint."""
+        from peer.checkpoint import CheckpointStore
+
+        loaded = CheckpointStore(self.checkpoint_dir).load_latest()
+        if loaded is None:
+            raise PeerFailed(f"{self.name}: no checkpoint in {self.checkpoint_dir}\n{self.log_tail()}")
+        return loaded.state["model"]
+
+    def log(self) -> str:
+        """Its output so far: for people, and for failure messages."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, characters: int = 3000) -> str:
+        return f"--- the end of {self.log_path} ---\n{self.log()[-characters:]}"
+
+
+class Swarm:
+    """Peers on this machine (127.0.0.1), or in given network namespaces, torn down on every path.
+
+    `args` go to every peer; per-peer args come after them (for a flag given twice, the last wins).
+    The harness adds the rest: a checkpoint directory, an events file and a summary per peer, a free
+    metrics port, listening on 127.0.0.1 (unless --host-maddrs is given), and --initial-peers of
+    the first peer for every later one.
+    """
+
+    def __init__(self, workdir: Path, *args: str, fast: bool = False, env: Optional[Dict[str, str]] = None):
+        self.workdir = Path(workdir)
+        self.args = [*(FAST_ARGS if fast else ()), *args]
+        self.env = env or {}
+        self.peers: List[Peer] = []
+
+    async def __aenter__(self) -> "Swarm":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    def peer(self, index: int) -> Peer:
+        return self.peers[index]
+
+    async def add(self, *args: str, name: Optional[str] = None, join: bool = True, ready: bool = True,
+                  env: Optional[Dict[str, str]] = None, namespace: Optional[str] = None,
+                  timeout: float = 90.0) -> Peer:
+        """Start one `peer start`; by default it joins the first peer and is awaited until ready."""
+        name = name or f"peer-{len(self.peers)}"
+        extra = ["--checkpoint-dir", str(self.workdir / name), "--summary-json", str(self.workdir / f"{name}.json"),
+                 "--metrics-port", "0"]
+        if "--host-maddrs" not in [*self.args, *args] and namespace is None:
+            extra += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+        if join and self.peers:
+            extra += ["--initial-peers", self.peers[0].address]
+        peer = Peer(name, "start", [*self.args, *extra, *args], self.workdir, {**self.env, **(env or {})}, namespace)
+        self.peers.append(peer.start())
+        if ready:
+            await peer.ready(timeout)
+        return peer
+
+    async def start(self, count: int, *args: str, timeout: float = 90.0) -> List[Peer]:
+        """Start `count` peers: the first, then the others together, once it is ready."""
+        first = await self.add(*args, timeout=timeout)
+        others = [await self.add(*args, ready=False) for _ in range(count - 1)]
+        await asyncio.gather(*(peer.ready(timeout) for peer in others))
+        return [first, *others]
+
+    async def all_reached(self, epoch: int, timeout: float, peers: Optional[Sequence[Peer]] = None) -> None:
+        """Wait until every peer (or those given) is at `epoch` or later."""
+        await asyncio.gather(*(peer.reach(epoch, timeout) for peer in (peers or self.peers)))
+
+    async def all_exited(self, timeout: float, peers: Optional[Sequence[Peer]] = None) -> List[int]:
+        return list(await asyncio.gather(*(peer.exit_code(timeout) for peer in (peers or self.peers))))
+
+    async def close(self) -> None:
+        """Kill whatever is still running, reap it, and check that nothing of any peer survived."""
+        for peer in self.peers:
+            peer.kill()  # a paused (SIGSTOPped) process dies of SIGKILL too
+        deadline = time.monotonic() + KILL_WAIT_SECONDS
+        survivors: List[psutil.Process] = []
+        while time.monotonic() < deadline:
+            for peer in self.peers:
+                if peer.process is not None:
+                    peer.process.poll()
+            survivors = [proc for peer in self.peers for proc in peer.session_processes()]
+            if not survivors:
+                return
+            for proc in survivors:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
+            await asyncio.sleep(POLL_SECONDS)
+        raise PeerFailed(f"processes of the swarm survived SIGKILL: {[proc.pid for proc in survivors]}")
+
+
+def max_parameter_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two peers' model tensors."""
+    if a.keys() != b.keys():
+        raise ValueError(f"different tensors: {sorted(a.keys() ^ b.keys())[:5]}")
+    return max(float((a[key].float() - b[key].float()).abs().max()) for key in a)
