@@ -69,6 +69,9 @@ class AveragingHooks:
     """A reducer of this peer left another peer's contribution out (reason: averaging/robust.py's Drop)."""
     peer_excluded: Callable[[str], None] = lambda peer_id: None
     """This peer excluded another one (base58 id) after repeated dropped contributions."""
+    before_round: Callable[[int], None] = lambda epoch: None
+    """Called as this peer's averaging round at local `epoch` begins (sync, diloco); an exception it raises fails
+    the round like any other failure. For fault injection in tests (peer/faults.py)."""
 
 
 @dataclass

@@ -276,6 +276,7 @@ class DiLoCoOptimizer:
                 buffer.copy_(grad)
         control = None
         try:
+            self.rounds.hooks.before_round(self.local_epoch)
             # weighted like the sync strategy's gradients: by the samples this peer took inner steps on
             control = self.grad_averager.step(weight=float(max(1, self._samples_stepped)), timeout=timeout, wait=False)
             gathered = control.result(timeout=timeout)

@@ -325,6 +325,7 @@ async def _run_allreduce_inplace_robustly(self: DecentralizedAverager, tensors, 
             tensor.add_(update, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+        robust_allreduce.require_every_part(runner.tensor_part_container)
     else:
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")

@@ -156,6 +156,7 @@ class SyncOptimizer(hivemind.Optimizer):
                 report = RoundReport("skipped", 0.0, 1, "no other peers")
             else:
                 try:
+                    self.rounds.hooks.before_round(self.local_epoch)
                     group_info = maybe_step_control.result(self.averaging_timeout)
                     with self.grad_averager.get_tensors() as averaged:
                         finite = all_finite(averaged)
@@ -173,8 +174,10 @@ class SyncOptimizer(hivemind.Optimizer):
                 if report.outcome != "skipped":
                     logger.warning(f"averaging round {report.outcome} ({report.reason}); using local gradients")
                 self._load_local_gradients_into_optimizer()
-        # if others got past this epoch without us, take their state instead of drifting apart
-        self.rounds.finish_round(report, left_behind=self.tracker.global_epoch > self.local_epoch)
+        # if others got past this epoch without us, or averaged while this peer's result was partial, take
+        # their state instead of drifting apart
+        partial = "PartialAverage" in report.reason
+        self.rounds.finish_round(report, left_behind=partial or self.tracker.global_epoch > self.local_epoch)
 
     def _should_load_state_from_peers(self) -> bool:
         if not self.rounds.download_allowed():

@@ -22,6 +22,7 @@ from peer.config import PeerConfig
 from peer.device import resolve_device, resolve_precision
 from peer.events import EventLog, Exited, Ready
 from peer.exit_codes import BadInput, ExitCode
+from peer.faults import FaultPlan
 from peer.logs import setup_logging
 from peer.manifest import ManifestUnreadable
 from peer.outputs import check_output_paths
@@ -45,7 +46,7 @@ class PeerRun:
     trainer: Optional[Trainer] = None
 
 
-def run_peer(config: PeerConfig) -> int:
+def run_peer(config: PeerConfig, faults: Optional[FaultPlan] = None) -> int:
     lifeline.install()
     setup_logging(config.logging.log_format, config.logging.verbose)
     start_shared_memory_manager()
@@ -53,7 +54,7 @@ def run_peer(config: PeerConfig) -> int:
     stop.install_handlers()
     logger.info(f"swarmtrain {__version__}; config: {config.model_dump_json()}")  # from here on, signals stop cleanly
     run, stack = PeerRun(), ExitStack()
-    builder = PeerBuilder(config, stop, stack)
+    builder = PeerBuilder(config, stop, stack, faults)
     try:
         run.code, run.reason = _run(config, stop, builder, run)
     except BadInput as e:

@@ -44,6 +44,7 @@ from peer.data import make_loader
 from peer.device import describe_device
 from peer.events import EventLog
 from peer.exit_codes import BadInput
+from peer.faults import FaultInjector, FaultPlan
 from peer.logs import silence_hivemind
 from peer.manifest import join_run, manifest_for
 from peer.observers import EventsObserver, MetricsObserver, Observers
@@ -78,8 +79,9 @@ class Monitoring:
 class PeerBuilder:
     """Builds a peer's parts in order; each part's teardown goes onto `stack` as soon as it exists."""
 
-    def __init__(self, config: PeerConfig, stop: StopRequest, stack: ExitStack):
+    def __init__(self, config: PeerConfig, stop: StopRequest, stack: ExitStack, faults: Optional[FaultPlan] = None):
         self.config, self.stop, self.stack = config, stop, stack
+        self.faults = FaultInjector(faults, wait=stop.wait)  # nothing happens without a plan (tests only)
         self.events = EventLog(config.logging.events)
         self.keys = SwarmKeys.for_run(config.training.run_id, config.dht.swarm_key)
         self._dht_quiet = False
@@ -170,7 +172,7 @@ class PeerBuilder:
         optimizer = build_swarm_optimizer(config.averaging, Replica(
             dht=dht, keys=self.keys, params=model.parameters(), optimizer_factory=task.build_optimizer,
             scheduler_factory=task.build_scheduler, batch_size=batch_size, client_mode=config.dht.client_mode,
-            hooks=rounds.hooks(monitoring.timer),
+            hooks=rounds.hooks(monitoring.timer, self.faults),
         ))
         session = SwarmSession(dht, self.keys, optimizer, self.stop, progress_record_ttl_seconds(config.averaging),
                                on_progress=monitoring.health.beat)
@@ -186,7 +188,7 @@ class PeerBuilder:
         trainer = Trainer(
             config, task, model, optimizer, train_loader, val_loader, device=device, session=session, rounds=rounds,
             store=store, stop=self.stop, timer=monitoring.timer, display=display, on_progress=monitoring.health.beat,
-            precision=mixed_precision,
+            precision=mixed_precision, faults=self.faults,
         )
         self.stack.callback(trainer.close)
         return trainer

@@ -27,13 +27,29 @@ def cli() -> None:
 
 @cli.command()
 @config_options_for()
+@click.option("--inject-faults", hidden=True, default=None, help="Tests only: a FaultPlan as JSON (peer/faults.py).")
 @click.pass_context
-def start(ctx: click.Context, **params: Any) -> None:
+def start(ctx: click.Context, inject_faults: Optional[str], **params: Any) -> None:
     """Start a peer: join (or start) a swarm and train until stopped."""
     config = resolve_config(ctx, params)
+    faults = _fault_plan(inject_faults) if inject_faults is not None else None
     from peer.app import run_peer  # heavy imports (torch, hivemind) only after the config is valid
 
-    ctx.exit(run_peer(config))
+    ctx.exit(run_peer(config, faults))
+
+
+def _fault_plan(value: str):
+    import pydantic
+
+    from peer.faults import FaultPlan
+
+    try:
+        return FaultPlan.model_validate_json(value)
+    except pydantic.ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "the value"
+        raise click.UsageError(f"--inject-faults {value!r}: {where}: {error['msg']}; give a JSON object with "
+                               f"{', '.join(FaultPlan.model_fields)}") from None
 
 
 @cli.command(context_settings={"ignore_unknown_options": False})

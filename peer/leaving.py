@@ -6,7 +6,10 @@ different states (each one whose last round failed applied only its own gradient
 whose last round averaged offers its state ("offers" in its leave record, and a higher donor
 priority), and one whose round failed downloads only once such an offer is there. If every peer
 at that epoch had its last round fail, the one with the smallest id offers its state and the
-others download it: all of them end with the same weights.
+others download it: all of them end with the same weights. A round that fails at once can bring a
+peer to the last epoch before its group has averaged, so a peer one epoch behind counts as still
+in its last round: the failed peer waits for it (at most a matchmaking window and an averaging
+timeout); if nobody has reached the last epoch by then, its own state is the newest there is.
 
 It needs a peer to download from, so a peer that finishes stays while another may still need it:
 
@@ -56,13 +59,23 @@ def has_final_state_elsewhere(epoch: int, progress: Mapping[bytes, object], me: 
     return any(owner != me and (_epoch(record) or -1) >= epoch for owner, record in progress.items())
 
 
+def may_have_final_state(epoch: int, progress: Mapping[bytes, object], me: bytes) -> bool:
+    """Whether another peer has reached `epoch`, or may be in its last round toward it (one epoch behind):
+    a peer whose own last round failed at once can reach the last epoch before its group has averaged."""
+    return any(owner != me and (_epoch(record) or -1) >= epoch - 1 for owner, record in progress.items())
+
+
 def final_state_source(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
                        me: bytes) -> Source:
     """For a peer whose last round failed, leaving at `epoch`: download, offer its own state, or wait."""
     downloading = []
     for owner, record in progress.items():
         their_epoch = _epoch(record)
-        if owner == me or their_epoch is None or their_epoch < epoch:
+        if owner == me or their_epoch is None or their_epoch < epoch - 1:
+            continue
+        if their_epoch == epoch - 1:  # may be in its last round: wait, unless it is done at that epoch
+            if _announced(leaving.get(owner), their_epoch)[0] != DONE:
+                return Source.WAIT
             continue
         state, offers = _announced(leaving.get(owner), their_epoch)
         if (state == DONE and offers) or (their_epoch > epoch and state is None):

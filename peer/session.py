@@ -39,6 +39,7 @@ from peer.leaving import (
     final_state_source,
     has_final_state_elsewhere,
     leave_record,
+    may_have_final_state,
     needs_of_others,
 )
 from peer.signals import StopRequest
@@ -120,7 +121,7 @@ class SwarmSession:
         now = time.monotonic()
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
         progress = read_by_owner(self.dht, self.keys.progress)  # fresh: the tracker's view may lag
-        if last_round_outcome in ("failed", "timeout") and has_final_state_elsewhere(epoch, progress, self.me):
+        if last_round_outcome in ("failed", "timeout") and may_have_final_state(epoch, progress, self.me):
             self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING))
             offers = self._take_final_state(epoch, give_up_at=now + matchmaking + timeout)
         else:
@@ -151,8 +152,11 @@ class SwarmSession:
                                         read_by_owner(self.dht, self.keys.leaving), self.me)
             if source is Source.WAIT:
                 self.stop.wait(0.5)
+        if source is Source.WAIT and not has_final_state_elsewhere(epoch, read_by_owner(self.dht, self.keys.progress),
+                                                                   self.me):
+            source = Source.OFFER  # nobody reached the last epoch in time: this peer's state is the newest there is
         if source is Source.OFFER:
-            logger.info("every peer at the last epoch had its last averaging round fail: "
+            logger.info("no peer at the last epoch has an averaged state: "
                         "offering this peer's state as the final state, for the others to download")
             return self.optimizer.offer_final_state()
         # a donor offers its state, or none said in time: the best-ranked donor is the best guess

@@ -29,6 +29,7 @@ from monitoring import PhaseTimer
 from peer.checkpoint import CheckpointError, CheckpointStore
 from peer.config import PeerConfig
 from peer.data import endless, evaluate, move_to
+from peer.faults import FaultInjector
 from peer.precision import MixedPrecision
 from peer.progress import ProgressDisplay
 from peer.resume import training_state
@@ -102,9 +103,10 @@ class RoundTally:
         self.payload_bytes = payload_bytes  # after compression: what one round moves, per peer
         self.last_outcome: Optional[str] = None
 
-    def hooks(self, timer: PhaseTimer) -> AveragingHooks:
+    def hooks(self, timer: PhaseTimer, faults: Optional[FaultInjector] = None) -> AveragingHooks:
         return AveragingHooks(phase=timer.phase, round_finished=self.on_round, state_loaded=self.on_state_loaded,
-                              contribution_dropped=self.on_dropped_contribution, peer_excluded=self.on_exclusion)
+                              contribution_dropped=self.on_dropped_contribution, peer_excluded=self.on_exclusion,
+                              before_round=(faults or FaultInjector()).before_round)
 
     def on_round(self, report: RoundReport) -> None:
         self.last_outcome = report.outcome
@@ -166,6 +168,7 @@ class Trainer:
         display: Optional[ProgressDisplay] = None,
         on_progress: Callable[[], None] = lambda: None,
         precision: Optional[MixedPrecision] = None,
+        faults: Optional[FaultInjector] = None,
     ):
         self.config, self.task, self.model, self.optimizer = config, task, model, optimizer
         self.train_loader, self.val_loader, self.device = train_loader, val_loader, device
@@ -176,6 +179,7 @@ class Trainer:
         self.on_progress = on_progress  # heartbeat for /healthz
         self.batch_size = config.training.batch_size or task.batch_size
         self.precision = precision or MixedPrecision("fp32", device, model.parameters())
+        self.faults = faults or FaultInjector()  # tests only (peer/faults.py)
         # GPU kernels run asynchronously: without a synchronize at phase boundaries their time would land
         # in whichever phase waits next. Only on CUDA, and only when the metrics are exported.
         measure_gpu = device.type == "cuda" and config.monitoring.metrics_port != "off"
@@ -306,7 +310,7 @@ class Trainer:
             self._phase_boundary()
         with timer.phase("forward"):
             with self.precision.autocast():
-                loss = self.task.loss_fn(self.model, batch)
+                loss = self.faults.loss(self.task.loss_fn(self.model, batch))
             self._phase_boundary()
         with timer.phase("backward"):
             self.precision.backward(loss)
@@ -376,6 +380,7 @@ class Trainer:
         self.observer.on_epoch(report)
         self.display.epoch_line(epoch=epoch, train_loss=report.train_loss, val_loss=val_loss,
                                 samples_per_second=report.samples_per_second, peers=report.peers)
+        self.faults.after_epoch(epoch)
         # every K epochs, also when a state download jumps over a multiple of K
         every, previous = self.config.checkpoint.checkpoint_every_epochs, self._epoch_finished
         self._epoch_finished = epoch

@@ -169,8 +169,3 @@ def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
     loaded = CheckpointStore(checkpoint_dir).load_latest()
     assert loaded is not None, f"no checkpoint in {checkpoint_dir}"
     return loaded.state["model"]
-
-
-def max_parameter_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[key].float() - b[key].float()).abs().max()) for key in a)

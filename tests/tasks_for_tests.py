@@ -170,42 +170,6 @@ def make_malicious_task() -> Task:
                                                                                          factor))
 
 
-class _StallOnPass(Dataset):
-    """A validation set that stalls once, at the start of its pass number `stall_on_pass` (1 = the first)."""
-
-    def __init__(self, base: Dataset, stall_on_pass: int, seconds: float):
-        self.base, self.stall_on_pass, self.seconds, self.passes = base, stall_on_pass, seconds, 0
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, index: int):
-        if index == 0:  # the validation loader does not shuffle: every pass starts here
-            self.passes += 1
-            if self.passes == self.stall_on_pass:
-                time.sleep(self.seconds)
-        return self.base[index]
-
-
-def make_straggler_task() -> Task:
-    """bytelm-tiny on a peer that falls behind once: the validation after global epoch STRAGGLE_AFTER_EPOCH
-    (default 2) takes STRAGGLE_SECONDS (default 15) longer: past the averaging timeout, that peer misses the
-    next round entirely.
-
-    It stalls between two steps, never inside one: a stalled step could have a round scheduled already."""
-    import dataclasses
-
-    from peer.tasks import load_task
-
-    after_epoch = int(os.environ.get("STRAGGLE_AFTER_EPOCH", "2"))
-    seconds = float(os.environ.get("STRAGGLE_SECONDS", "15"))
-    base = load_task("bytelm-tiny")
-    # pass 1 is the validation before training starts, pass k + 1 the one after global epoch k
-    return dataclasses.replace(
-        base, build_val_dataset=lambda: _StallOnPass(base.build_val_dataset(), after_epoch + 1, seconds)
-    )
-
-
 class _ActOnPass(Dataset):
     """A validation set that runs actions[k] at the start of its pass number k (1 = the first)."""
 

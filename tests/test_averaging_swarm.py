@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.peers import FAST_SWARM_ARGS, load_model_state, max_parameter_difference
+from peer.testing import max_parameter_difference
+from tests.peers import FAST_SWARM_ARGS, load_model_state
 
 pytestmark = pytest.mark.integration
 

@@ -110,7 +110,7 @@ def never_start_a_peer(monkeypatch):
     """If a bad value were accepted, fail at once instead of training in the test process."""
     import peer.app
 
-    def accepted(config):
+    def accepted(config, faults=None):
         raise AssertionError("the bad input was accepted")
 
     monkeypatch.setattr(peer.app, "run_peer", accepted)
@@ -202,6 +202,9 @@ def test_bad_config_file_shape(capsys, tmp_path, content, expected, name):
         (["--delay-updates"], "--delay-updates"),
         (["--averaging", "diloco", "--offload-optimizer"], "--offload-optimizer does not work with --averaging diloco"),
         (["--matchmaking-seconds-min", "9", "--matchmaking-seconds-max", "3"], "--matchmaking-seconds-min"),
+        (["--inject-faults", "{{not json"], "--inject-faults"),
+        (["--inject-faults", '{{"fail_round_at_epoch": -1}}'], "fail_round_at_epoch: Input should be greater than"),
+        (["--inject-faults", '{{"crash": true}}'], "crash: Extra inputs are not permitted"),
     ],
 )
 def test_unreadable_files_conflicts_and_unknown_flags(capsys, tmp_path, argv, expected):
@@ -314,3 +317,8 @@ def test_a_crash_at_any_stage_of_start_up_ends_the_process_with_one_line(tmp_pat
     assert result.returncode == 1, output
     assert output.count(f"peer failed: StageFailure: failing at {stage}") == 1 and "Traceback" not in output, output
     assert "peer stopped (crashed)" in output
+
+
+def test_the_fault_injection_option_is_hidden_from_help(capsys):
+    code, output = run_cli(capsys, ["start", "--help"])
+    assert code == 0 and "--max-epochs" in output and "inject" not in output

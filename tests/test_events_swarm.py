@@ -25,14 +25,24 @@ EPOCHS = 6
 
 @pytest.mark.timeout(240)
 async def test_a_swarm_writes_ready_epochs_rounds_and_exit_and_a_killed_peer_leaves_whole_lines(tmp_path: Path):
+    """Three peers; the second's last round fails (injected), so it takes the final state before leaving; the third
+    is killed mid-run."""
     async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "48", "--min-peers", "3",
-                     fast=True) as swarm:
-        first, second, doomed = await swarm.start(3, "--max-epochs", str(EPOCHS))
+                     "--max-epochs", str(EPOCHS), fast=True) as swarm:
+        first = await swarm.add()
+        second = await swarm.add("--inject-faults", json.dumps({"fail_round_at_epoch": EPOCHS - 1}), ready=False)
+        doomed = await swarm.add(ready=False)
+        await second.ready()
+        await doomed.ready()
         await swarm.all_reached(epoch=2, timeout=120)
         doomed.kill()  # SIGKILL, mid-run: whatever it wrote must still parse
         assert await doomed.exit_code(timeout=30) < 0
         assert await first.exit_code(timeout=150) == 0 and await second.exit_code(timeout=30) == 0
 
+        failed = [event for event in second.events if isinstance(event, RoundEnded) and event.outcome == "failed"]
+        assert len(failed) == 1 and "injected" in failed[0].reason, failed
+        final_download = [event for event in second.events if isinstance(event, StateDownloaded)][-1]
+        assert final_download.epoch == EPOCHS and final_download.time > failed[0].time
         for peer in (first, second):
             events = peer.events
             assert isinstance(events[0], Ready) and events[0].multiaddrs and events[0].metrics_url
@@ -46,8 +56,9 @@ async def test_a_swarm_writes_ready_epochs_rounds_and_exit_and_a_killed_peer_lea
             joined = next(event for event in events if isinstance(event, Joined))
             # one epoch event per global epoch it trained through (a state download may jump ahead)
             reached = [event.epoch for event in events if isinstance(event, (EpochEnded, StateDownloaded))]
-            assert reached == sorted(set(reached)) and reached[-1] == EPOCHS
+            assert reached == sorted(reached) and reached[-1] == EPOCHS
             epochs = [event.epoch for event in events if isinstance(event, EpochEnded)]
+            assert epochs == sorted(set(epochs))
             downloads = [event.epoch for event in events if isinstance(event, StateDownloaded)]
             assert set(range(joined.epoch + 1, EPOCHS + 1)) <= set(epochs) | set(downloads)
             rounds = [event for event in events if isinstance(event, RoundEnded)]

@@ -7,14 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.peers import (
-    FAST_SWARM_ARGS,
-    load_model_state,
-    max_parameter_difference,
-    session_processes,
-    start_peer,
-    wait_until,
-)
+from peer.events import EpochEnded, Exited, RoundEnded, StateDownloaded
+from peer.testing import Swarm, max_parameter_difference
+from tests.peers import FAST_SWARM_ARGS, load_model_state, session_processes, start_peer, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -46,30 +41,27 @@ def test_three_peers_train_in_lock_step(spawn, tmp_path: Path):
 
 
 @pytest.mark.timeout(150)
-def test_a_peer_that_finishes_first_stays_until_a_straggler_has_the_final_state(spawn, tmp_path: Path):
-    """The straggler stalls after epoch 2 for longer than the averaging timeout, so it misses the last round:
-    the first peer ends that round alone, must stay while the straggler is behind, and serve it the final state."""
+async def test_a_peer_that_finishes_first_stays_until_a_straggler_has_the_final_state(tmp_path: Path):
+    """The straggler stalls after epoch 2 for longer than the averaging timeout (an injected fault), so it misses
+    the last round: the first peer ends that round alone, must stay while the straggler is behind, and serve it the
+    final state."""
     epochs, timeout = 3, 5
+    stall = json.dumps({"stall_after_epoch": epochs - 1, "stall_seconds": timeout + 4})
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--min-peers", "2", "--target-batch-size", "32",
+                     "--max-epochs", str(epochs), fast=True) as swarm:
+        first = await swarm.add("--averaging-timeout-seconds", str(timeout))
+        straggler = await swarm.add("--averaging-timeout-seconds", str(timeout), "--inject-faults", stall)
+        assert await swarm.all_exited(timeout=90) == [0, 0]
 
-    def start(name: str, *extra: str, env=None):
-        return start_peer(spawn, tmp_path, name, "--min-peers", "2", "--target-batch-size", "32", "--max-epochs",
-                          str(epochs), "--averaging-timeout-seconds", str(timeout), *extra, env=env)
-
-    first = start("a")
-    straggler = start("b", "--initial-peers", first.join_address(),
-                      "--task", "tests.tasks_for_tests:make_straggler_task",
-                      env={"STRAGGLE_AFTER_EPOCH": str(epochs - 1), "STRAGGLE_SECONDS": str(timeout + 4)})
-    for peer in (first, straggler):
-        assert peer.wait(90) == 0, peer.log()[-4000:]
-
-    ended_alone = read_summary(tmp_path / "a.json")
-    assert ended_alone["averaging_rounds"].get("failed", 0) + ended_alone["averaging_rounds"].get("timeout", 0) >= 1
-    # nobody else had reached the last epoch: its own state is the final one, with nothing to download
-    assert "downloading the swarm's final state" not in first.log()
-    caught_up = read_summary(tmp_path / "b.json")
-    assert caught_up["global_epoch"] == epochs and caught_up["exit_reason"] == "max_epochs"
-    assert caught_up["state_downloads"] >= 1, caught_up
-    assert max_parameter_difference(load_model_state(tmp_path / "a"), load_model_state(tmp_path / "b")) <= 1e-5
+        rounds = [event.outcome for event in first.events if isinstance(event, RoundEnded)]
+        assert "failed" in rounds or "timeout" in rounds, rounds
+        # nobody else had reached the last epoch: its own state is the final one, with nothing to download
+        assert not any(isinstance(event, StateDownloaded) for event in first.events)
+        downloads = [event.epoch for event in straggler.events if isinstance(event, StateDownloaded)]
+        assert downloads and downloads[-1] == epochs, downloads
+        exited = straggler.events[-1]
+        assert straggler.epoch == epochs and isinstance(exited, Exited) and exited.reason == "max_epochs"
+        assert max_parameter_difference(first.model_state(), straggler.model_state()) <= 1e-5
 
 
 @pytest.mark.timeout(300)
@@ -86,8 +78,10 @@ def test_late_joiner_downloads_state_then_restart_resumes_from_checkpoint(spawn,
     wait_until(lambda: first.epoch() >= 4, 120, message="the first two peers to reach epoch 4")
 
     late = start("c", "--initial-peers", address)
-    wait_until(lambda: "downloaded the swarm's state" in late.log(), 90, message="the late joiner to download state")
-    wait_until(lambda: late.log().count("\nepoch ") >= 2, 60, message="the late joiner to train two epochs")
+    wait_until(lambda: any(isinstance(event, StateDownloaded) for event in late.events()), 90,
+               message="the late joiner to download state")
+    wait_until(lambda: sum(isinstance(event, EpochEnded) for event in late.events()) >= 2, 60,
+               message="the late joiner to train two epochs")
 
     late.send(signal.SIGTERM)
     assert late.wait(30) == 0, late.log()[-3000:]

@@ -9,6 +9,7 @@ from peer.leaving import (
     final_state_source,
     has_final_state_elsewhere,
     leave_record,
+    may_have_final_state,
     needs_of_others,
 )
 
@@ -80,8 +81,15 @@ def test_when_every_peer_at_the_epoch_failed_the_smallest_id_offers_and_the_othe
     assert final_state_source(10, records, a_offers, B) is Source.DOWNLOAD
 
 
+def test_a_peer_one_epoch_behind_may_be_in_its_last_round_and_is_waited_for_unless_done_there():
+    """A peer whose last round failed at once can reach the last epoch before its group has averaged."""
+    assert may_have_final_state(10, progress(me=10, a=9), ME) and not may_have_final_state(10, progress(a=8), ME)
+    assert final_state_source(10, progress(me=10, a=9), {}, ME) is Source.WAIT
+    assert final_state_source(10, progress(me=10, a=9), {A: leave_record(9, DONE)}, ME) is Source.OFFER
+
+
 def test_a_peer_done_without_an_offer_or_behind_is_not_waited_for():
-    records = progress(me=10, a=10, b=9)
+    records = progress(me=10, a=10, b=8)
     assert final_state_source(10, records, {A: leave_record(10, DONE, offers=False)}, ME) is Source.OFFER
     stale_offer = {A: leave_record(9, DONE, offers=True)}  # from an earlier epoch: a is silent at 10
     assert final_state_source(10, records, stale_offer, ME) is Source.WAIT

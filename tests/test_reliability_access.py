@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from dht.swarm_key import SwarmKeyError, read_swarm_key, training_namespace
-from tests.peers import load_model_state, max_parameter_difference, start_peer
+from peer.testing import max_parameter_difference
+from tests.peers import load_model_state, start_peer
 
 
 def test_namespace_depends_on_the_secret(tmp_path: Path):

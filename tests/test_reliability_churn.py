@@ -11,13 +11,8 @@ import psutil
 import pytest
 
 from peer.checkpoint import CheckpointStore
-from tests.peers import (
-    FAST_SWARM_ARGS,
-    load_model_state,
-    max_parameter_difference,
-    session_processes,
-    wait_until,
-)
+from peer.testing import max_parameter_difference
+from tests.peers import FAST_SWARM_ARGS, load_model_state, session_processes, wait_until
 
 pytestmark = pytest.mark.integration
 

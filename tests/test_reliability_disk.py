@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.peers import free_port, load_model_state, max_parameter_difference, start_peer, tmpfs
+from peer.testing import max_parameter_difference
+from tests.peers import free_port, load_model_state, start_peer, tmpfs
 
 pytestmark = pytest.mark.integration
 

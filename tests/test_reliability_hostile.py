@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from peer.events import PeerExcluded
-from tests.peers import load_model_state, max_parameter_difference, start_peer, wait_until
+from peer.testing import max_parameter_difference
+from tests.peers import load_model_state, start_peer, wait_until
 
 MALICIOUS_TASK = "tests.tasks_for_tests:make_malicious_task"
 # A sign flip is told from an honest gradient only while honest gradients agree in direction: early in

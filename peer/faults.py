@@ -1,0 +1,70 @@
+"""Faults that a test injects into one real peer, on purpose, at points the peer itself chooses.
+
+`peer start --inject-faults JSON` takes a FaultPlan; the option is for tests only, and `peer start
+--help` does not list it. The trainer and the averaging rounds consult a FaultInjector at fixed
+points, so a test says what goes wrong and when, instead of patching private methods:
+
+- `nan_loss_at_steps`: the loss of these local batches (1 = the first) is NaN: each is skipped as any
+  non-finite batch is, and a long enough run of them ends in TrainingDiverged;
+- `fail_round_at_epoch`: this peer's averaging round at that local epoch fails as it begins (sync and
+  diloco): reported as `failed`, and handled as any failed round (local gradients, then a resync);
+- `stall_after_epoch` / `stall_seconds`: after reporting that global epoch, the loop stalls between two
+  steps (a stop request ends the stall): past the averaging timeout, the peer misses the next round.
+
+Each fault happens once. Every injected fault is logged as a warning that says it was injected.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, List, Optional
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+logger = logging.getLogger(__name__)
+
+
+class FaultPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    nan_loss_at_steps: List[PositiveInt] = Field(default_factory=list)
+    fail_round_at_epoch: Optional[int] = Field(default=None, ge=0)
+    stall_after_epoch: Optional[int] = Field(default=None, ge=0)
+    stall_seconds: float = Field(default=0.0, ge=0, le=3600)
+
+
+class InjectedFault(RuntimeError):
+    """Raised where a FaultPlan makes a round fail."""
+
+
+class FaultInjector:
+    """Consulted by the trainer (losses, epochs) and the averaging hooks (rounds); does nothing without a plan."""
+
+    def __init__(self, plan: Optional[FaultPlan] = None, wait: Callable[[float], object] = lambda seconds: None):
+        self.plan = plan or FaultPlan()
+        self.wait = wait  # a stop-aware sleep: a stop request ends a stall
+        self._batches = 0
+        self._round_failed = self._stalled = False
+
+    def loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss of the next local batch, NaN where the plan says so."""
+        self._batches += 1
+        if self._batches not in self.plan.nan_loss_at_steps:
+            return loss
+        logger.warning(f"injected fault: the loss of local batch {self._batches} is NaN")
+        return loss * float("nan")
+
+    def before_round(self, epoch: int) -> None:
+        """:raises InjectedFault: at the plan's epoch, once"""
+        if epoch != self.plan.fail_round_at_epoch or self._round_failed:
+            return
+        self._round_failed = True
+        logger.warning(f"injected fault: failing this peer's averaging round at epoch {epoch}")
+        raise InjectedFault(f"injected: the round at epoch {epoch} fails")
+
+    def after_epoch(self, epoch: int) -> None:
+        if epoch != self.plan.stall_after_epoch or self._stalled:
+            return
+        self._stalled = True
+        logger.warning(f"injected fault: stalling {self.plan.stall_seconds:g}s after epoch {epoch}")
+        self.wait(self.plan.stall_seconds)

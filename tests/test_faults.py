@@ -1,0 +1,48 @@
+"""The fault injector (peer/faults.py): each fault happens where and when the plan says, once."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from peer.faults import FaultInjector, FaultPlan, InjectedFault
+
+
+def test_without_a_plan_nothing_happens():
+    faults, loss = FaultInjector(), torch.tensor(2.0)
+    assert all(faults.loss(loss) is loss for _ in range(5))
+    faults.before_round(0)
+    faults.after_epoch(0)
+
+
+def test_the_loss_of_the_planned_batches_is_nan_and_its_gradient_too():
+    faults = FaultInjector(FaultPlan(nan_loss_at_steps=[2, 4]))
+    weight = torch.ones(3, requires_grad=True)
+    losses = [faults.loss((weight * step).sum()) for step in range(1, 6)]
+    assert [math.isnan(float(loss)) for loss in losses] == [False, True, False, True, False]
+    losses[1].backward()
+    assert torch.isnan(weight.grad).all()
+
+
+def test_the_round_at_the_planned_epoch_fails_once():
+    faults = FaultInjector(FaultPlan(fail_round_at_epoch=3))
+    faults.before_round(2)
+    with pytest.raises(InjectedFault, match="epoch 3"):
+        faults.before_round(3)
+    faults.before_round(3)  # once: the retry goes through
+
+
+def test_the_stall_comes_after_the_planned_epoch_once_through_the_stop_aware_wait():
+    waits = []
+    faults = FaultInjector(FaultPlan(stall_after_epoch=2, stall_seconds=7.5), wait=waits.append)
+    for epoch in (1, 2, 2, 3):
+        faults.after_epoch(epoch)
+    assert waits == [7.5]
+
+
+@pytest.mark.parametrize("plan", [{"stall_seconds": -1}, {"nan_loss_at_steps": [0]}, {"stall_seconds": "inf"},
+                                  {"fail_round_at_epoch": 1.5}, {"unknown": 1}])
+def test_a_bad_plan_is_refused(plan):
+    with pytest.raises(ValueError):
+        FaultPlan.model_validate(plan)
