@@ -19,10 +19,9 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Annotated, Dict, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
-from typing_extensions import Annotated
 
 logger = logging.getLogger(__name__)
 
