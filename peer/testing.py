@@ -65,7 +65,7 @@ class Peer:
         self.checkpoint_dir = workdir / name
         self.process: Optional[subprocess.Popen] = None
         self._events: List[Event] = []  # this life's (since the last start)
-        self._offset = 0
+        self._offset = self.events_path.stat().st_size if self.events_path.is_file() else 0  # a reused workdir
 
     # --- processes ---------------------------------------------------------------------------
 
@@ -125,9 +125,11 @@ class Peer:
             await asyncio.sleep(POLL_SECONDS)
         return process.returncode
 
-    async def restart(self, timeout: float = 90.0) -> Ready:
-        """Start again with the same checkpoint directory once the process has exited; its new `ready` event."""
+    async def restart(self, *args: str, timeout: float = 90.0) -> Ready:
+        """Start again with the same checkpoint directory once the process has exited, with `args` added from now
+        on; its new `ready` event."""
         await self.exit_code(timeout)
+        self.args += args
         self.start()
         return await self.ready(timeout)
 

@@ -82,3 +82,14 @@ def test_a_file_that_cannot_be_written_is_said_once_and_never_raises(tmp_path: P
     warnings = [record.getMessage() for record in caplog.records if "cannot write" in record.getMessage()]
     assert len(warnings) == 1 and "missing-directory" in warnings[0]
     EventLog(None).emit(Exited(reason="max_epochs", code=0))  # no --events: nothing happens
+
+
+def test_a_harness_peer_sees_only_the_events_of_its_own_lives(tmp_path: Path):
+    from peer.testing import Peer
+
+    earlier = EventLog(tmp_path / "a.events.jsonl")
+    earlier.emit(Ready(peer_id="old", run_id="run", multiaddrs=["/ip4/127.0.0.1/tcp/1/p2p/old"]))
+    peer = Peer("a", "start", [], tmp_path)  # the same workdir, used again: the old ready is not its own
+    assert peer.events == [] and peer.epoch == -1
+    earlier.emit(Exited(reason="max_epochs", code=0))
+    assert [event.event for event in peer.events] == ["exit"]

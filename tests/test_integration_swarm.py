@@ -1,15 +1,16 @@
 """Real swarms of `peer` processes on 127.0.0.1, training the built-in task (tiny size)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 from pathlib import Path
 
 import pytest
 
-from peer.events import EpochEnded, Exited, RoundEnded, StateDownloaded
+from peer.events import Exited, RoundEnded, StateDownloaded
 from peer.testing import Swarm, max_parameter_difference
-from tests.peers import FAST_SWARM_ARGS, load_model_state, session_processes, start_peer, wait_until
+from tests.peers import FAST_SWARM_ARGS, load_model_state
 
 pytestmark = pytest.mark.integration
 
@@ -64,80 +65,79 @@ async def test_a_peer_that_finishes_first_stays_until_a_straggler_has_the_final_
         assert max_parameter_difference(first.model_state(), straggler.model_state()) <= 1e-5
 
 
+TINY = ("--task", "bytelm-tiny")
+
+
 @pytest.mark.timeout(300)
-def test_late_joiner_downloads_state_then_restart_resumes_from_checkpoint(spawn, tmp_path: Path):
+async def test_late_joiner_downloads_state_then_restart_resumes_from_checkpoint(tmp_path: Path):
     epochs = 20
+    async with Swarm(tmp_path, *TINY, "--target-batch-size", "32", "--max-epochs", str(epochs),
+                     "--checkpoint-every-epochs", "1", fast=True) as swarm:
+        first = await swarm.add("--min-peers", "2")
+        second = await swarm.add("--min-peers", "2")
+        await first.reach(4, timeout=120)
 
-    def start(name: str, *extra: str):
-        return start_peer(spawn, tmp_path, name, "--target-batch-size", "32", "--max-epochs", str(epochs),
-                          "--checkpoint-every-epochs", "1", *extra)
+        late = await swarm.add(name="c")
+        download = await late.wait_for(StateDownloaded, timeout=90, what="the late joiner to download state")
+        await late.reach(download.epoch + 2, timeout=60)
+        late.terminate()
+        assert await late.exit_code(timeout=30) == 0
+        stopped = read_summary(tmp_path / "c.json")
+        assert stopped["exit_reason"] == "signal:SIGTERM"
+        assert stopped["state_downloads"] >= 1
 
-    first = start("a", "--min-peers", "2")
-    address = first.join_address()
-    second = start("b", "--min-peers", "2", "--initial-peers", address)
-    wait_until(lambda: first.epoch() >= 4, 120, message="the first two peers to reach epoch 4")
+        checkpoints = sorted(late.checkpoint_dir.glob("checkpoint-*.pt"))
+        assert len(checkpoints) >= 2
+        newest = checkpoints[-1]
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a torn write
 
-    late = start("c", "--initial-peers", address)
-    wait_until(lambda: any(isinstance(event, StateDownloaded) for event in late.events()), 90,
-               message="the late joiner to download state")
-    wait_until(lambda: sum(isinstance(event, EpochEnded) for event in late.events()) >= 2, 60,
-               message="the late joiner to train two epochs")
+        await late.restart()
+        assert await swarm.all_exited(timeout=200) == [0, 0, 0]
+        log = late.log()
+        assert f"skipping checkpoint {newest}" in log, log[-3000:]
+        assert f"resumed from {checkpoints[-2]}" in log
 
-    late.send(signal.SIGTERM)
-    assert late.wait(30) == 0, late.log()[-3000:]
-    stopped = read_summary(tmp_path / "c.json")
-    assert stopped["exit_reason"] == "signal:SIGTERM"
-    assert stopped["state_downloads"] >= 1
-
-    checkpoints = sorted((tmp_path / "c").glob("checkpoint-*.pt"))
-    assert len(checkpoints) >= 2
-    newest = checkpoints[-1]
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a torn write
-
-    restarted = start("c-again", "--initial-peers", address, "--checkpoint-dir", str(tmp_path / "c"))
-    for peer in (first, second, restarted):
-        assert peer.wait(200) == 0, peer.log()[-4000:]
-    log = restarted.log()
-    assert f"skipping checkpoint {newest}" in log, log[-3000:]
-    assert f"resumed from {checkpoints[-2]}" in log
-
-    summaries = [read_summary(tmp_path / f"{name}.json") for name in ("a", "b", "c-again")]
-    assert [s["global_epoch"] for s in summaries] == [epochs] * 3
-    assert summaries[2]["resumed_from"] == str(checkpoints[-2])
-    states = [load_model_state(tmp_path / name) for name in ("a", "b", "c")]
-    assert max_parameter_difference(states[0], states[1]) <= 1e-5
-    assert max_parameter_difference(states[0], states[2]) <= 1e-5
+        summaries = [read_summary(tmp_path / f"{peer.name}.json") for peer in (first, second, late)]
+        assert [s["global_epoch"] for s in summaries] == [epochs] * 3
+        assert summaries[2]["resumed_from"] == str(checkpoints[-2])
+        assert max_parameter_difference(first.model_state(), second.model_state()) <= 1e-5
+        assert max_parameter_difference(first.model_state(), late.model_state()) <= 1e-5
 
 
 @pytest.mark.timeout(180)
-def test_sigint_saves_checkpoint_and_restart_resumes(spawn, tmp_path: Path):
-    args = ["start", *FAST_SWARM_ARGS, "--target-batch-size", "16", "--checkpoint-dir", str(tmp_path / "ckpt"),
-            "--checkpoint-every-epochs", "1000", "--summary-json", str(tmp_path / "summary.json")]
-    peer = spawn("peer", *args)
-    wait_until(lambda: peer.epoch() >= 3, 90, message="three epochs")
-    peer.send(signal.SIGINT)
-    assert peer.wait(30) == 0, peer.log()[-3000:]
-    first = read_summary(tmp_path / "summary.json")
-    assert first["exit_reason"] == "signal:SIGINT"
-    assert len(list((tmp_path / "ckpt").glob("checkpoint-*.pt"))) == 1  # written on shutdown
-    assert "Traceback" not in peer.log()
+async def test_sigint_saves_checkpoint_and_restart_resumes(tmp_path: Path):
+    async with Swarm(tmp_path, *TINY, "--target-batch-size", "16", "--checkpoint-every-epochs", "1000",
+                     fast=True) as swarm:
+        peer = await swarm.add()
+        await peer.reach(3, timeout=90)
+        peer.send(signal.SIGINT)
+        assert await peer.exit_code(timeout=30) == 0
+        first = read_summary(tmp_path / "peer-0.json")
+        assert first["exit_reason"] == "signal:SIGINT"
+        assert len(list(peer.checkpoint_dir.glob("checkpoint-*.pt"))) == 1  # written on shutdown
+        assert "Traceback" not in peer.log()
 
-    again = spawn("again", *args, "--max-epochs", str(first["global_epoch"] + 2))
-    assert again.wait(90) == 0, again.log()[-3000:]
-    second = read_summary(tmp_path / "summary.json")
-    assert second["resumed_from"] is not None
-    assert second["global_epoch"] == first["global_epoch"] + 2
-    assert second["local_steps"] > first["local_steps"]
+        await peer.restart("--max-epochs", str(first["global_epoch"] + 2))
+        assert await peer.exit_code(timeout=90) == 0
+        second = read_summary(tmp_path / "peer-0.json")
+        assert second["resumed_from"] is not None
+        assert second["global_epoch"] == first["global_epoch"] + 2
+        assert second["local_steps"] > first["local_steps"]
 
 
 @pytest.mark.timeout(120)
-def test_sigkill_leaves_no_orphans(spawn):
-    peer = spawn("peer", "start", *FAST_SWARM_ARGS, "--target-batch-size", "16", "--data-workers", "2")
-    wait_until(lambda: peer.epoch() >= 1, 90, message="the first epoch")
-    children = peer.descendants()
-    assert any("p2pd" in " ".join(child.cmdline()) for child in children), "expected a p2pd child"
-    assert len(children) >= 4  # DHT process, p2pd, two averagers, data workers
+async def test_sigkill_leaves_no_orphans(tmp_path: Path):
+    async with Swarm(tmp_path, *TINY, "--target-batch-size", "16", "--data-workers", "2", fast=True) as swarm:
+        peer = await swarm.add()
+        await peer.reach(1, timeout=90)
+        children = [proc for proc in peer.session_processes() if proc.pid != peer.pid]
+        assert any("p2pd" in " ".join(child.cmdline()) for child in children), "expected a p2pd child"
+        assert len(children) >= 4  # DHT process, p2pd, two averagers, data workers
 
-    peer.send(signal.SIGKILL)
-    peer.wait(10)
-    wait_until(lambda: not session_processes(peer.pid), 15, message="every child of the killed peer to exit")
+        peer.send(signal.SIGKILL)  # the peer alone: its children must notice and exit by themselves
+        await peer.exit_code(timeout=10)
+        for _ in range(150):
+            if not peer.session_processes():
+                break
+            await asyncio.sleep(0.1)
+        assert not peer.session_processes(), "children of the killed peer outlived it"
