@@ -219,7 +219,9 @@ class RobustPartReducer(TensorPartReducer):
 class PartialAverage(AllreduceException):
     """Some averaged parts never arrived (a reducer was too slow or left): hivemind fills them with this peer's
     own values, so the result is neither this peer's nor the group's, and peers that kept it drift apart for good
-    (a 2-peer DiLoCo swarm ended 5e-3 apart after 0.3% of one round went missing). The round fails instead."""
+    (a 2-peer DiLoCo swarm ended 5e-3 apart after 0.3% of one round went missing). The all-reduce fails instead,
+    before any update is applied (averaging/hivemind_compat.py): hivemind retries it from this peer's own values
+    until the step's deadline, and a round that fails is handled as any other."""
 
 
 def require_every_part(container) -> None:

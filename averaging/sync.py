@@ -174,10 +174,8 @@ class SyncOptimizer(hivemind.Optimizer):
                 if report.outcome != "skipped":
                     logger.warning(f"averaging round {report.outcome} ({report.reason}); using local gradients")
                 self._load_local_gradients_into_optimizer()
-        # if others got past this epoch without us, or averaged while this peer's result was partial, take
-        # their state instead of drifting apart
-        partial = "PartialAverage" in report.reason
-        self.rounds.finish_round(report, left_behind=partial or self.tracker.global_epoch > self.local_epoch)
+        # if others got past this epoch without us, take their state instead of drifting apart
+        self.rounds.finish_round(report, left_behind=self.tracker.global_epoch > self.local_epoch)
 
     def _should_load_state_from_peers(self) -> bool:
         if not self.rounds.download_allowed():

@@ -6,6 +6,8 @@ points, so a test says what goes wrong and when, instead of patching private met
 
 - `nan_loss_at_steps`: the loss of these local batches (1 = the first) is NaN: each is skipped as any
   non-finite batch is, and a long enough run of them ends in TrainingDiverged;
+- `nan_gradients_at_steps`: the loss of these batches is finite but their gradients are NaN: the
+  optimizer's own guard must drop them before they reach a round;
 - `fail_round_at_epoch`: this peer's averaging round at that local epoch fails as it begins (sync and
   diloco): reported as `failed`, and handled as any failed round (local gradients, then a resync);
 - `stall_after_epoch` / `stall_seconds`: after reporting that global epoch, the loop stalls between two
@@ -28,9 +30,22 @@ class FaultPlan(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     nan_loss_at_steps: List[PositiveInt] = Field(default_factory=list)
+    nan_gradients_at_steps: List[PositiveInt] = Field(default_factory=list)
     fail_round_at_epoch: Optional[int] = Field(default=None, ge=0)
     stall_after_epoch: Optional[int] = Field(default=None, ge=0)
     stall_seconds: float = Field(default=0.0, ge=0, le=3600)
+
+
+class _NaNGradient(torch.autograd.Function):
+    """The identity on the loss; its gradient is NaN."""
+
+    @staticmethod
+    def forward(ctx, loss):
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
 
 
 class InjectedFault(RuntimeError):
@@ -47,12 +62,15 @@ class FaultInjector:
         self._round_failed = self._stalled = False
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss of the next local batch, NaN where the plan says so."""
+        """The loss of the next local batch, NaN (or with NaN gradients) where the plan says so."""
         self._batches += 1
-        if self._batches not in self.plan.nan_loss_at_steps:
-            return loss
-        logger.warning(f"injected fault: the loss of local batch {self._batches} is NaN")
-        return loss * float("nan")
+        if self._batches in self.plan.nan_loss_at_steps:
+            logger.warning(f"injected fault: the loss of local batch {self._batches} is NaN")
+            return loss * float("nan")
+        if self._batches in self.plan.nan_gradients_at_steps:
+            logger.warning(f"injected fault: the gradients of local batch {self._batches} are NaN")
+            return _NaNGradient.apply(loss)
+        return loss
 
     def before_round(self, epoch: int) -> None:
         """:raises InjectedFault: at the plan's epoch, once"""

@@ -123,38 +123,6 @@ def _send_unguarded_gradients() -> None:
     SyncOptimizer._check_and_accumulate_gradients = hivemind.Optimizer._check_and_accumulate_gradients
 
 
-def make_nan_gradients_task() -> Task:
-    """bytelm-tiny whose gradients are NaN on every other checked batch (POISON=own), or on every batch by a
-    peer that also skips its own guard and sends them to the swarm (POISON=send), like a malicious peer.
-
-    "Every other checked batch": hivemind discards a batch without checking it when the peer is out of sync,
-    so alternating on calls alone can land every poisoned batch on a discarded step and test nothing."""
-    import dataclasses
-
-    from averaging.sync import SyncOptimizer
-    from peer.tasks import load_task
-
-    mode = os.environ.get("POISON", "own")
-    base = load_task("bytelm-tiny")
-    state = {"poison_this_batch": True, "last_checked_was_poisoned": False}
-
-    def poisoned_loss(model, batch):
-        loss = base.loss_fn(model, batch)
-        state["poison_this_batch"] = mode == "send" or not state["last_checked_was_poisoned"]
-        return _ScaledGradient.apply(loss, float("nan")) if state["poison_this_batch"] else loss
-
-    if mode == "send":
-        _send_unguarded_gradients()
-    check = SyncOptimizer._check_and_accumulate_gradients
-
-    def recording_check(self, batch_size, grad_scaler):
-        state["last_checked_was_poisoned"] = state["poison_this_batch"]
-        return check(self, batch_size, grad_scaler)
-
-    SyncOptimizer._check_and_accumulate_gradients = recording_check
-    return dataclasses.replace(base, loss_fn=poisoned_loss)
-
-
 def make_malicious_task() -> Task:
     """bytelm-tiny on a peer that sends every gradient multiplied by ATTACK_FACTOR: 1e4 (finite, far too
     large), -1 (sign-flipped: as large as an honest one, pointing the other way) or nan (sent unguarded)."""

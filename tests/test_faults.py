@@ -25,6 +25,18 @@ def test_the_loss_of_the_planned_batches_is_nan_and_its_gradient_too():
     assert torch.isnan(weight.grad).all()
 
 
+def test_the_gradients_of_the_planned_batches_are_nan_while_their_loss_is_finite():
+    faults = FaultInjector(FaultPlan(nan_gradients_at_steps=[2]))
+    weight = torch.ones(3, requires_grad=True)
+    clean, poisoned = faults.loss((weight * 2).sum()), faults.loss((weight * 3).sum())
+    assert float(poisoned) == 9.0
+    poisoned.backward()
+    assert torch.isnan(weight.grad).all()
+    weight.grad = None
+    clean.backward()
+    assert torch.equal(weight.grad, torch.full((3,), 2.0))
+
+
 def test_the_round_at_the_planned_epoch_fails_once():
     faults = FaultInjector(FaultPlan(fail_round_at_epoch=3))
     faults.before_round(2)

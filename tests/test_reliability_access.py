@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from dht.swarm_key import SwarmKeyError, read_swarm_key, training_namespace
-from peer.testing import max_parameter_difference
-from tests.peers import load_model_state, start_peer
+from peer.testing import Swarm, max_parameter_difference
 
 
 def test_namespace_depends_on_the_secret(tmp_path: Path):
@@ -32,31 +31,25 @@ def test_short_or_missing_key_is_a_clear_error(tmp_path: Path):
 
 @pytest.mark.integration
 @pytest.mark.timeout(200)
-def test_peer_with_wrong_key_cannot_join_a_round(spawn, tmp_path: Path):
+async def test_peer_with_wrong_key_cannot_join_a_round(tmp_path: Path):
     good, bad = tmp_path / "good.key", tmp_path / "bad.key"
     good.write_text("a-shared-secret-for-the-swarm")
     bad.write_text("somebody-elses-secret-entirely")
     epochs = 6
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "32", "--max-epochs", str(epochs),
+                     fast=True) as swarm:
+        first = await swarm.add("--swarm-key", str(good), "--min-peers", "2", name="a")
+        intruder = await swarm.add("--swarm-key", str(bad), "--max-seconds", "60", name="intruder", ready=False)
+        second = await swarm.add("--swarm-key", str(good), "--min-peers", "2", name="b")
+        assert await swarm.all_exited(timeout=150, peers=[first, second]) == [0, 0]
 
-    def start(name: str, key: Path, *extra: str):
-        return start_peer(spawn, tmp_path, name, "--target-batch-size", "32", "--max-epochs", str(epochs),
-                          "--swarm-key", str(key), *extra)
+        a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("a", "b"))
+        for summary in (a, b):
+            assert summary["global_epoch"] == epochs
+            assert summary["averaging_rounds"]["ok"] >= 1
+            assert summary["largest_group"] == 2  # never three: the intruder was never in a group
+        assert max_parameter_difference(first.model_state(), second.model_state()) <= 1e-5
 
-    first = start("a", good, "--min-peers", "2")
-    address = first.join_address()
-    intruder = start("intruder", bad, "--initial-peers", address, "--max-seconds", "60")
-    second = start("b", good, "--min-peers", "2", "--initial-peers", address)
-    for peer in (first, second):
-        assert peer.wait(150) == 0, peer.log()[-3000:]
-
-    a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("a", "b"))
-    for summary in (a, b):
-        assert summary["global_epoch"] == epochs
-        assert summary["averaging_rounds"]["ok"] >= 1
-        assert summary["largest_group"] == 2  # never three: the intruder was never in a group
-    assert max_parameter_difference(load_model_state(tmp_path / "a"), load_model_state(tmp_path / "b")) <= 1e-5
-
-    assert intruder.wait(90) == 0, intruder.log()[-3000:]
-    stranger = json.loads((tmp_path / "intruder.json").read_text())
-    assert stranger["averaging_rounds"]["ok"] == 0 and stranger["largest_group"] == 0
-
+        assert await intruder.exit_code(timeout=90) == 0
+        stranger = json.loads((tmp_path / "intruder.json").read_text())
+        assert stranger["averaging_rounds"]["ok"] == 0 and stranger["largest_group"] == 0

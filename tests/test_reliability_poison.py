@@ -8,29 +8,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.peers import load_model_state, start_peer
+from peer.events import RoundEnded
+from peer.testing import Swarm
 
-POISONED_TASK = "tests.tasks_for_tests:make_nan_gradients_task"
+# every third batch has NaN gradients and a finite loss: hivemind discards a batch unchecked when the peer is
+# out of sync, so only some of them reach the guard, but many do
+POISON = json.dumps({"nan_gradients_at_steps": list(range(3, 300, 3))})
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-def test_nan_gradients_are_dropped_by_their_own_peer_and_training_goes_on(spawn, tmp_path: Path):
+async def test_nan_gradients_are_dropped_by_their_own_peer_and_training_goes_on(tmp_path: Path):
     epochs = 6
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "48", "--min-peers", "2",
+                     "--max-epochs", str(epochs), fast=True) as swarm:
+        honest = await swarm.add(name="honest")
+        clumsy = await swarm.add("--inject-faults", POISON, name="clumsy")
+        assert await swarm.all_exited(timeout=200) == [0, 0]
 
-    def start(name: str, task: str, *extra: str):
-        return start_peer(spawn, tmp_path, name, "--task", task, "--target-batch-size", "48", "--min-peers", "2",
-                          "--max-epochs", str(epochs), *extra, env={"POISON": "own"})
-
-    honest = start("honest", "bytelm-tiny")
-    clumsy = start("clumsy", POISONED_TASK, "--initial-peers", honest.join_address())
-    for peer in (honest, clumsy):
-        assert peer.wait(200) == 0, peer.log()[-3000:]
-
-    assert "non-finite gradients in this batch: dropped" in clumsy.log()
-    for name in ("honest", "clumsy"):
-        summary = json.loads((tmp_path / f"{name}.json").read_text())
-        assert summary["global_epoch"] >= epochs
-        assert summary["dropped_contributions"] == 0  # nothing non-finite was ever sent
-        state = load_model_state(tmp_path / name)
-        assert all(bool(torch.isfinite(tensor).all()) for tensor in state.values()), name
+        assert "non-finite gradients in this batch: dropped" in clumsy.log()
+        for peer in (honest, clumsy):
+            summary = json.loads((tmp_path / f"{peer.name}.json").read_text())
+            assert summary["global_epoch"] >= epochs
+            assert summary["dropped_contributions"] == 0  # nothing non-finite was ever sent
+            assert any(event.outcome == "ok" for event in peer.events if isinstance(event, RoundEnded))
+            assert all(bool(torch.isfinite(tensor).all()) for tensor in peer.model_state().values()), peer.name
