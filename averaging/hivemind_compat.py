@@ -46,7 +46,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter
+from hivemind.utils.asyncio import as_aiter, azip
 
 from averaging import robust_allreduce
 
@@ -321,15 +321,10 @@ async def _run_allreduce_inplace_robustly(self: DecentralizedAverager, tensors, 
     assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
     self._running_groups[group_id].set_result(runner)
     if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-        # upstream adds each update as it arrives; here all are collected first, and applied only if every part
-        # arrived: a partial result would mix this peer's own values into the average (peers drift apart for good),
-        # and the retry hivemind makes after a failed all-reduce must start from this peer's own values
-        updates = [update async for update in runner]
-        robust_allreduce.require_every_part(runner.tensor_part_container)
-        for tensor, update in zip(tensors, updates):
+        async for tensor, update in azip(as_aiter(*tensors), runner):
             tensor.add_(update, alpha=self._averaging_alpha)
-        self.last_updated = get_dht_time()
-        self._state_updated.set()
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
     else:
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")

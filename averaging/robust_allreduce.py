@@ -216,22 +216,6 @@ class RobustPartReducer(TensorPartReducer):
         return verdicts
 
 
-class PartialAverage(AllreduceException):
-    """Some averaged parts never arrived (a reducer was too slow or left): hivemind fills them with this peer's
-    own values, so the result is neither this peer's nor the group's, and peers that kept it drift apart for good
-    (a 2-peer DiLoCo swarm ended 5e-3 apart after 0.3% of one round went missing). The all-reduce fails instead,
-    before any update is applied (averaging/hivemind_compat.py): hivemind retries it from this peer's own values
-    until the step's deadline, and a round that fails is handled as any other."""
-
-
-def require_every_part(container) -> None:
-    """:raises PartialAverage: the all-reduce ended without some averaged parts (a TensorPartContainer)"""
-    if container.failed_size:
-        received = 1.0 - container.failed_size / max(1, container.total_size)
-        raise PartialAverage(f"only {received:.1%} of the averaged values arrived; the round fails rather than mix "
-                             f"this peer's own values into the average")
-
-
 class RobustAllReduceRunner(AllReduceRunner):
     """hivemind's AllReduceRunner with a RobustPartReducer in place of its reducer."""
 

@@ -56,8 +56,9 @@ async def test_peer_killed_mid_round_survivors_go_on_and_it_catches_up_after_res
             assert summary["longest_step_seconds"] <= AVERAGING_TIMEOUT_SECONDS + MARGIN_SECONDS, summary
         assert summaries[3]["global_epoch"] == epochs and summaries[3]["resumed_from"] is not None
         states = [peer.model_state() for peer in swarm.peers]
-        # a round whose averaged parts did not all arrive fails and the peer resyncs (averaging/robust_allreduce.py),
-        # but a kill on a busy machine can still leave a peer a round apart until the end: equal to 1e-4 here
+        # hivemind completes a round even when a part arrives late ("received 99.9% results"): the missing
+        # slice keeps that peer's own values. With 4 peers and a kill that happens on a busy machine, so
+        # equal here means equal to 1e-4 (seen: 4e-5), not bit-for-bit.
         for state in states[1:]:
             assert max_parameter_difference(states[0], state) <= 1e-4
 
