@@ -140,16 +140,7 @@ class Peer:
 
     def session_processes(self) -> List[psutil.Process]:
         """Live processes of this peer's session: the peer and everything it started."""
-        if self.process is None:
-            return []
-        alive = []
-        for proc in psutil.process_iter(["pid"]):
-            try:
-                if os.getsid(proc.pid) == self.process.pid and proc.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(proc)
-            except (ProcessLookupError, PermissionError, psutil.Error):
-                continue
-        return alive
+        return session_processes(self.process.pid) if self.process is not None else []
 
     # --- events ------------------------------------------------------------------------------
 
@@ -309,6 +300,18 @@ class Swarm:
                     pass
             await asyncio.sleep(POLL_SECONDS)
         raise PeerFailed(f"processes of the swarm survived SIGKILL: {[proc.pid for proc in survivors]}")
+
+
+def session_processes(session_id: int) -> List[psutil.Process]:
+    """Live processes of a session (a process started with start_new_session leads the session of its pid)."""
+    alive = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(proc.pid) == session_id and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    return alive
 
 
 def max_parameter_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:

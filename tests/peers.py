@@ -21,19 +21,13 @@ import pytest
 import torch
 
 from peer.events import Event, Ready, latest_epoch, read_events
+from peer.testing import FAST_ARGS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EVENT_WRITERS = ("start", "bootstrap")  # the commands that take --events
 
 # Small, fast settings shared by the multi-peer tests.
-FAST_SWARM_ARGS = [
-    "--task", "bytelm-tiny",
-    "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-    "--matchmaking-seconds", "1",
-    "--averaging-timeout-seconds", "10",
-    "--data-workers", "1",
-    "--val-batches", "4",
-]
+FAST_SWARM_ARGS = ["--task", "bytelm-tiny", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *FAST_ARGS]
 
 
 def start_peer(spawn, tmp_path: Path, name: str, *extra: str, env: Optional[Dict[str, str]] = None) -> "PeerProcess":
@@ -148,18 +142,6 @@ class PeerProcess:
         except subprocess.TimeoutExpired:
             pass
         self._log.close()
-
-
-def session_processes(session_id: int) -> List[psutil.Process]:
-    """Live processes of a session (a peer started with start_new_session has sid == its pid)."""
-    alive = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(proc.pid) == session_id and proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except (ProcessLookupError, psutil.Error, PermissionError):
-            continue
-    return alive
 
 
 def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:

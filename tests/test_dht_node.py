@@ -19,7 +19,8 @@ from dht.keys import SwarmKeys
 from dht.node import DHTStartError, clock_offset_from, shutdown_dht, start_dht, visible_maddrs
 from dht.records import record_validators
 from peer.config import load_config
-from tests.peers import REPO_ROOT, session_processes
+from peer.testing import session_processes
+from tests.peers import REPO_ROOT
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 FAST = dict(host_maddrs=LOCAL, startup_timeout_seconds=20.0)

@@ -13,7 +13,8 @@ from typing import List
 import pytest
 
 from peer.events import Exited, Ready
-from tests.peers import REPO_ROOT, session_processes, start_peer, wait_until
+from peer.testing import session_processes
+from tests.peers import REPO_ROOT, start_peer, wait_until
 
 pytestmark = pytest.mark.integration
 
