@@ -9,13 +9,14 @@ fourth process that is either
   NaN (sent past its own guard), multiplied by 1e4, or multiplied by -1 (tests/tasks_for_tests.py's
   fault-injecting task).
 
-The honest peers' epoch lines are read as they come. Reported per run:
+The peers run under the asyncio harness (peer/testing.py); what they do is read from their events.
+Reported per run:
 
 - ``epochs_per_minute``: the honest peers' median rate over the whole measured window;
 - ``epochs_per_minute_after_exclusion``: the same from the moment the last honest peer excluded the
   attacker (for ``none``: the whole window again);
-- ``seconds_to_exclusion``: from the moment all four processes were up to each honest peer's
-  "excluding peer" line (null where a peer never excluded it);
+- ``seconds_to_exclusion``: from the moment all four processes were ready to each honest peer's first
+  `excluded` event (null where a peer never excluded it);
 - ``wrongly_excluded``: how many times an honest peer excluded a peer other than the attacker (for
   ``none``: any exclusion at all): false positives of the drop rules;
 - ``ratio`` and ``ratio_after_exclusion``: the rates over the same repeat's ``none`` run.
@@ -35,67 +36,55 @@ run: ``attack``, ``repeat``, the fields above, ``epochs`` per honest peer, ``exi
 """
 from __future__ import annotations
 
+import asyncio
 import os
-import re
 import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import common
-from benchmarks.scaling import Peer, stop_all, wait_joined
+from benchmarks.scaling import epochs, peer_env, ready_time, stop_all
+from peer.events import PeerExcluded, Ready
+from peer.testing import Peer, PeerFailed, Swarm
 
 NAME = "robustness"
 MALICIOUS_TASK = "tests.tasks_for_tests:make_malicious_task"
 ATTACK_FACTORS = {"nan": "nan", "scaled-1e4": "1e4", "sign-flipped": "-1"}
-EXCLUDING = re.compile(r"excluding peer (\S+)")
-PEER_ID = re.compile(r"peer id (\S+);")
 HONEST_PEERS = 3
 
 
-def start_swarm(attack: str, run_id: str, base: List[str], work: Path, start_timeout: float) -> List[Peer]:
-    """Three honest peers and the fourth process; raise if one does not come up."""
-    marks = {"excluded": EXCLUDING}
-    swarm = ["--run-id", run_id, "--min-peers", str(HONEST_PEERS + (attack != "none"))]
-
-    def start(index: int, extra: List[str], env: Optional[Dict[str, str]] = None) -> Peer:
-        args = [*base, *extra, "--checkpoint-dir", str(work / f"ckpt-{index}")]
-        return Peer(index, args, None, 1, work, env=env, marks=marks)
-
-    first = start(0, swarm)
-    deadline = time.monotonic() + start_timeout
-    wait_joined(first, deadline, attack)
-    joining = [*swarm, "--initial-peers", first.join_address]
-    peers = [first] + [start(index, joining) for index in range(1, HONEST_PEERS)]
+async def start_swarm(swarm: Swarm, attack: str, run_id: str, start_timeout: float) -> List[Peer]:
+    """Three honest peers and the fourth process; PeerFailed if one does not come up."""
+    run = ["--run-id", run_id, "--min-peers", str(HONEST_PEERS + (attack != "none"))]
+    first = await swarm.add(*run, timeout=start_timeout)
+    honest = [await swarm.add(*run, ready=False) for _ in range(1, HONEST_PEERS)]
     if attack == "none":
-        peers.append(start(HONEST_PEERS, ["--run-id", f"{run_id}-bystander"]))
+        fourth = await swarm.add("--run-id", f"{run_id}-bystander", join=False, ready=False)
     else:
-        peers.append(start(HONEST_PEERS, [*joining, "--task", MALICIOUS_TASK],
-                           env={"ATTACK_FACTOR": ATTACK_FACTORS[attack]}))
-    for peer in peers[1:]:
-        wait_joined(peer, deadline, attack)
+        fourth = await swarm.add(*run, "--task", MALICIOUS_TASK, ready=False,
+                                 env={"ATTACK_FACTOR": ATTACK_FACTORS[attack]})
+    peers = [first, *honest, fourth]
+    await asyncio.gather(*(peer.ready(start_timeout) for peer in peers[1:]))
     return peers
 
 
-def _first(pattern: "re.Pattern", peer: Peer) -> Optional[str]:
-    match = pattern.search(peer.tail(10**8))
-    return match.group(1) if match else None
-
-
 def epochs_per_minute(peer: Peer, since: float, until: float) -> Optional[float]:
-    """The rate of the peer's epoch lines between two moments (None with fewer than two lines)."""
-    with peer.changed:
-        inside = [(at, epoch) for at, epoch, _ in peer.epochs if since <= at <= until]
-    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+    """The rate of the peer's `epoch` events between two moments (None with fewer than two)."""
+    inside = [event for event in epochs(peer) if since <= event.time <= until]
+    if len(inside) < 2 or inside[-1].time <= inside[0].time:
         return None
-    (first_at, first_epoch), (last_at, last_epoch) = inside[0], inside[-1]
-    return 60.0 * (last_epoch - first_epoch) / (last_at - first_at)
+    return 60.0 * (inside[-1].epoch - inside[0].epoch) / (inside[-1].time - inside[0].time)
+
+
+def exclusions(peer: Peer) -> List[PeerExcluded]:
+    return [event for event in peer.events if isinstance(event, PeerExcluded)]
 
 
 def median(values) -> Optional[float]:
@@ -103,30 +92,29 @@ def median(values) -> Optional[float]:
     return round(statistics.median(values), 3) if values else None
 
 
-def measure(run: common.Run, attack: str, repeat: int, settings: dict, base: List[str], root: Path) -> dict:
-    work = root / f"{attack}-r{repeat}"
-    work.mkdir(parents=True)
+async def measure(run: common.Run, attack: str, repeat: int, settings: dict, base: List[str], root: Path) -> dict:
     row = {"attack": attack, "repeat": repeat}
-    peers: List[Peer] = []
-    try:
-        peers = start_swarm(attack, f"bench-robust-{os.getpid()}-{attack}-{repeat}", base, work,
-                            settings["start_timeout_seconds"])
-        ready = max(peer.joined_at for peer in peers)
-        time.sleep(settings["seconds_per_run"])
-        end = time.monotonic()
-    except RuntimeError as e:
-        row["error"] = str(e).splitlines()[0]
-        run.log(str(e))
-        return row
-    finally:
-        row["exit_codes"] = stop_all(peers)
+    async with Swarm(root / f"{attack}-r{repeat}", *base, env=peer_env()) as swarm:
+        try:
+            peers = await start_swarm(swarm, attack, f"bench-robust-{os.getpid()}-{attack}-{repeat}",
+                                      settings["start_timeout_seconds"])
+            ready = max(ready_time(peer) for peer in peers)
+            await asyncio.sleep(settings["seconds_per_run"])
+            end = time.time()
+        except PeerFailed as e:
+            row["error"] = str(e).splitlines()[0]
+            run.log(str(e))
+            return row
+        finally:
+            row["exit_codes"] = await stop_all(swarm.training_peers)
     honest = peers[:HONEST_PEERS]
-    attacker_id = None if attack == "none" else _first(PEER_ID, peers[HONEST_PEERS])
-    excluded_ids = [match for peer in honest for match in EXCLUDING.findall(peer.tail(10**8))]
-    excluded_at = [peer.marked.get("excluded") for peer in honest]
+    attacker_id = None if attack == "none" else next(event.peer_id for event in peers[HONEST_PEERS].events
+                                                     if isinstance(event, Ready))
+    excluded_ids = [event.peer_id for peer in honest for event in exclusions(peer)]
+    excluded_at = [next((event.time for event in exclusions(peer)), None) for peer in honest]
     after = ready if attack == "none" else (max(excluded_at) if all(excluded_at) else None)
     row.update(
-        epochs=[peer.epochs[-1][1] if peer.epochs else 0 for peer in honest],
+        epochs=[epochs(peer)[-1].epoch if epochs(peer) else 0 for peer in honest],
         epochs_per_minute=median(epochs_per_minute(peer, ready, end) for peer in honest),
         epochs_per_minute_after_exclusion=(median(epochs_per_minute(peer, after, end) for peer in honest)
                                            if after is not None else None),
@@ -165,7 +153,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="swarmtrain-robustness-") as tmp:
         for repeat in range(settings["repeats"]):
             for attack in common.interleaved(settings["attacks"], repeat):
-                rows.append(measure(run, attack, repeat, settings, base, Path(tmp)))
+                rows.append(asyncio.run(measure(run, attack, repeat, settings, base, Path(tmp))))
 
     for row in rows:
         baseline = next((other for other in rows if other["attack"] == "none" and other["repeat"] == row["repeat"]),

@@ -2,11 +2,12 @@
 
 **Scaling.** For each peer count N (1, 2, 4), N real `peer start` processes on 127.0.0.1 train
 the default task (`bytelm-tiny` in quick mode) with the same global target batch, started
-together (``--min-peers N``). Each peer's epoch lines are read as they are printed; the run
-stops (SIGTERM, a graceful stop) at the first line whose ``val_loss`` is at or below the
-target. Reported: ``time_to_target_seconds`` (from the moment the last peer's DHT was up, i.e.
-its join line, to that epoch line), ``startup_seconds`` (launch to that moment), the epoch and
-samples it took, and ``speedup_vs_1`` (time with 1 peer / time with N).
+together (``--min-peers N``) with the asyncio harness (peer/testing.py). Each peer's `epoch`
+events are read as they are written; the run stops (SIGTERM, a graceful stop) at the first one whose
+``val_loss`` is at or below the target. Reported: ``time_to_target_seconds`` (from the moment the
+last peer was a member of the swarm, its `ready` event, to that `epoch` event),
+``startup_seconds`` (launch to that moment), the epoch and samples it took, and ``speedup_vs_1``
+(time with 1 peer / time with N).
 
 Each peer gets an equal share of the machine: ``share = max(1, cores // max(N))`` cores, its
 own disjoint set (``taskset``, and torch threads = share) while N * share <= cores; beyond that
@@ -45,24 +46,24 @@ with ``reached``, ``time_to_target_seconds``, ``startup_seconds``, ``epoch``, ``
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import os
-import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import common
-from peer.events import EpochEnded, Ready, read_events
+from peer.events import EpochEnded, Ready
+from peer.testing import Peer, PeerFailed, Swarm
 
 NAME = "scaling"
 STOP_GRACE_SECONDS = 45.0
@@ -73,78 +74,24 @@ HIDING_RUNS = {
 }
 
 
-def stop_all(peers: List["Peer"]) -> List[Optional[int]]:
-    """Ask every peer to stop at once (so none waits for another), then reap each."""
-    for peer in peers:
-        peer.terminate()
-    return [peer.stop() for peer in peers]
+def peer_env() -> Dict[str, str]:
+    """What every benchmark peer needs on top of the harness's environment: our packages importable (the
+    fault-injecting test tasks live in tests/) from any working directory."""
+    return {"PYTHONPATH": common.child_env()["PYTHONPATH"]}
 
 
-class Peer:
-    """One `peer start` subprocess: its events (when it was ready, its epochs) and its output lines, with
-    their arrival time, as they come."""
+async def stop_all(peers: Sequence[Peer]) -> List[Optional[int]]:
+    """Ask every peer to stop at once (so none waits for another): SIGTERM, a grace period, then SIGKILL."""
+    return list(await asyncio.gather(*(peer.stop(STOP_GRACE_SECONDS) for peer in peers)))
 
-    def __init__(self, index: int, args: List[str], cpus: Optional[List[int]], threads: int, log_dir: Path,
-                 env: Optional[Dict[str, str]] = None, marks: Optional[Dict[str, "re.Pattern"]] = None):
-        """:param marks: name -> pattern; `marked[name]` is when a line first matched it"""
-        self.index = index
-        self.marks, self.marked = marks or {}, {}
-        self.log_path = log_dir / f"peer-{index}.log"
-        self.events_path, self._events_offset = log_dir / f"peer-{index}.events.jsonl", 0
-        self._log = open(self.log_path, "w")
-        prefix = ["taskset", "-c", ",".join(map(str, cpus))] if cpus else []
-        self.process = subprocess.Popen([*prefix, sys.executable, "-m", "peer", "start", *args,
-                                         "--events", str(self.events_path)],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        text=True, bufsize=1, cwd=log_dir,
-                                        env=common.child_env(OMP_NUM_THREADS=str(threads), **(env or {})),
-                                        start_new_session=True)
-        self.launched = time.monotonic()
-        self.joined_at: Optional[float] = None
-        self.join_address: Optional[str] = None
-        self.epochs: List[tuple] = []  # (arrival time, epoch, val_loss)
-        self.changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
 
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            now = time.monotonic()
-            self._log.write(line)
-            self._log.flush()  # the log must be whole even if this benchmark exits before the peer
-            with self.changed:
-                for name, pattern in self.marks.items():
-                    if name not in self.marked and pattern.search(line):
-                        self.marked[name] = now
-                self.changed.notify_all()
-        self._log.flush()
+def ready_time(peer: Peer) -> float:
+    """When it became a member of the swarm (its `ready` event; wall clock)."""
+    return next(event.time for event in peer.events if isinstance(event, Ready))
 
-    def refresh(self) -> None:
-        """Take in the events written since the last call (times on this process's monotonic clock)."""
-        events, self._events_offset = read_events(self.events_path, self._events_offset)
-        offset = time.monotonic() - time.time()
-        for event in events:
-            if isinstance(event, Ready) and self.join_address is None and event.multiaddrs:
-                self.join_address, self.joined_at = event.multiaddrs[0], event.time + offset
-            elif isinstance(event, EpochEnded):
-                self.epochs.append((event.time + offset, event.epoch, event.val_loss))
 
-    def tail(self, chars: int = 1500) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def terminate(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-    def stop(self) -> Optional[int]:
-        """SIGTERM (graceful), bounded wait, then SIGKILL the whole session; returns the exit code."""
-        self.terminate()
-        try:
-            code = self.process.wait(STOP_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            code = None
-        common.kill_session(self.process)
-        return code
+def epochs(peer: Peer) -> List[EpochEnded]:
+    return [event for event in peer.events if isinstance(event, EpochEnded)]
 
 
 def cpu_plan(peers: int, cores: List[int], share: int, pinning: bool) -> (List[Optional[List[int]]], bool):
@@ -156,102 +103,78 @@ def cpu_plan(peers: int, cores: List[int], share: int, pinning: bool) -> (List[O
     return [sets[i % len(sets)] for i in range(peers)], oversubscribed
 
 
-def launch(peers: int, extra: List[str], base: List[str], plan, threads: int, work: Path, label: str,
-           start_timeout: float) -> List[Peer]:
-    """Start N peers (peer 0 first, the others joining it); raise if one cannot start."""
-    started: List[Peer] = []
-    run_dir = work / label
-    run_dir.mkdir(parents=True, exist_ok=True)
+async def launch(swarm: Swarm, peers: int, extra: List[str], plan, threads: int, start_timeout: float) -> List[Peer]:
+    """Start N peers, each on its CPU set (peer 0 first, the others joining it); PeerFailed if one cannot start."""
+    def add(index: int, ready: bool):
+        prefix = ["taskset", "-c", ",".join(map(str, plan[index]))] if plan[index] else []
+        return swarm.add(*extra, "--min-peers", str(peers), prefix=prefix, env={"OMP_NUM_THREADS": str(threads)},
+                         ready=ready, timeout=start_timeout)
 
-    def one(index: int, initial: List[str]) -> Peer:
-        args = [*base, *extra, "--min-peers", str(peers), "--checkpoint-dir", str(run_dir / f"ckpt-{index}"),
-                "--summary-json", str(run_dir / f"summary-{index}.json"), *initial]
-        return Peer(index, args, plan[index], threads, run_dir)
-
-    started.append(one(0, []))
-    deadline = time.monotonic() + start_timeout
-    wait_joined(started[0], deadline, label)
-    started += [one(i, ["--initial-peers", started[0].join_address]) for i in range(1, peers)]
-    for peer in started[1:]:
-        wait_joined(peer, deadline, label)
-    return started
+    first = await add(0, ready=True)
+    others = [await add(index, ready=False) for index in range(1, peers)]
+    await asyncio.gather(*(peer.ready(start_timeout) for peer in others))
+    return [first, *others]
 
 
-def wait_joined(peer: Peer, deadline: float, label: str) -> None:
-    """Wait until the peer is ready (its event); raise with its log tail if it exits or the deadline passes."""
-    while peer.joined_at is None and peer.process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-        peer.refresh()
-    if peer.joined_at is None:
-        raise RuntimeError(f"{label}: peer {peer.index} did not start; log tail:\n{peer.tail()}")
-
-
-def scaling_run(run: common.Run, peers: int, repeat: int, settings: dict, base: List[str], work: Path) -> dict:
+async def scaling_run(run: common.Run, peers: int, repeat: int, settings: dict, base: List[str], work: Path) -> dict:
     plan, oversubscribed = cpu_plan(peers, settings["cores"], settings["cores_per_peer"],
                                     settings["pinning"] == "taskset")
     label = f"scaling-n{peers}-r{repeat}"
-    started: List[Peer] = []
     row = {"peers": peers, "repeat": repeat, "cpu_sets": plan, "oversubscribed": oversubscribed, "reached": False}
-    try:
-        started = launch(peers, ["--target-batch-size", str(settings["target_batch_size"])], base, plan,
-                         settings["cores_per_peer"], work, label, settings["start_timeout_seconds"])
-        ready = max(p.joined_at for p in started)
-        row["startup_seconds"] = round(ready - started[0].launched, 2)
-        deadline = ready + settings["max_seconds"]
-        hit = None
-        while hit is None and time.monotonic() < deadline:
-            for peer in started:
-                peer.refresh()
-                with peer.changed:
-                    for arrived, epoch, val_loss in peer.epochs:
-                        if val_loss is not None and val_loss <= settings["target_val_loss"]:
-                            hit = (arrived, epoch, val_loss)
-                            break
-                if hit:
+    async with Swarm(work / label, *base, env=peer_env()) as swarm:
+        try:
+            launched = time.time()
+            started = await launch(swarm, peers, ["--target-batch-size", str(settings["target_batch_size"])], plan,
+                                   settings["cores_per_peer"], settings["start_timeout_seconds"])
+            ready = max(ready_time(peer) for peer in started)
+            row["startup_seconds"] = round(ready - launched, 2)
+            deadline = time.monotonic() + settings["max_seconds"]
+            hit = None
+            while hit is None and time.monotonic() < deadline:
+                hit = next((epoch for peer in started for epoch in epochs(peer)
+                            if epoch.val_loss is not None and epoch.val_loss <= settings["target_val_loss"]), None)
+                if any(peer.process.poll() is not None for peer in started):
                     break
-            if any(p.process.poll() is not None for p in started):
-                break
-            time.sleep(0.2)
-        if hit:
-            row.update(reached=True, time_to_target_seconds=round(hit[0] - ready, 2), epoch=hit[1],
-                       samples=hit[1] * settings["target_batch_size"], val_loss=hit[2])
-        else:
-            last = max((e for p in started for e in p.epochs), default=None, key=lambda e: e[1])
-            row.update(epoch=last[1] if last else 0, val_loss=last[2] if last else None)
-            row["why_not"] = ("a peer exited early" if any(p.process.poll() is not None for p in started)
-                              else f"not reached within {settings['max_seconds']:.0f}s")
-    except RuntimeError as e:
-        row["why_not"] = str(e).splitlines()[0]
-        run.log(str(e))
-    finally:
-        row["exit_codes"] = stop_all(started)
+                await asyncio.sleep(0.2)
+            if hit:
+                row.update(reached=True, time_to_target_seconds=round(hit.time - ready, 2), epoch=hit.epoch,
+                           samples=hit.epoch * settings["target_batch_size"], val_loss=hit.val_loss)
+            else:
+                last = max((epoch for peer in started for epoch in epochs(peer)), default=None,
+                           key=lambda epoch: epoch.epoch)
+                row.update(epoch=last.epoch if last else 0, val_loss=last.val_loss if last else None)
+                row["why_not"] = ("a peer exited early" if any(peer.process.poll() is not None for peer in started)
+                                  else f"not reached within {settings['max_seconds']:.0f}s")
+        except PeerFailed as e:
+            row["why_not"] = str(e).splitlines()[0]
+            run.log(str(e))
+        finally:
+            row["exit_codes"] = await stop_all(swarm.training_peers)
     run.log(f"scaling N={peers} repeat {repeat}: " + (
         f"val_loss {row['val_loss']} at epoch {row['epoch']} after {row['time_to_target_seconds']}s "
         f"(startup {row['startup_seconds']}s)" if row["reached"] else f"target not reached ({row.get('why_not')})"))
     return row
 
 
-def hiding_run(run: common.Run, name: str, settings: dict, base: List[str], work: Path, repeat: int) -> dict:
-    import json
-
+async def hiding_run(run: common.Run, name: str, settings: dict, base: List[str], work: Path, repeat: int) -> dict:
     peers, flags = HIDING_RUNS[name]
     plan, oversubscribed = cpu_plan(peers, settings["cores"], settings["cores_per_peer"],
                                     settings["pinning"] == "taskset")
     label = f"hiding-{name}-r{repeat}"
-    started: List[Peer] = []
     row = {"name": name, "peers": peers, "flags": flags, "repeat": repeat, "cpu_sets": plan,
            "oversubscribed": oversubscribed}
-    try:
-        started = launch(peers, [*flags, "--target-batch-size", str(settings["hiding_target_batch_size"])], base,
-                         plan, settings["cores_per_peer"], work, label, settings["start_timeout_seconds"])
-        time.sleep(settings["hiding_seconds"])
-    except RuntimeError as e:
-        row["error"] = str(e).splitlines()[0]
-    finally:
-        row["exit_codes"] = stop_all(started)
+    async with Swarm(work / label, *base, env=peer_env()) as swarm:
+        try:
+            await launch(swarm, peers, [*flags, "--target-batch-size", str(settings["hiding_target_batch_size"])],
+                         plan, settings["cores_per_peer"], settings["start_timeout_seconds"])
+            await asyncio.sleep(settings["hiding_seconds"])
+        except PeerFailed as e:
+            row["error"] = str(e).splitlines()[0]
+        finally:
+            row["exit_codes"] = await stop_all(swarm.training_peers)
     rates, rounds = [], []
-    for peer in started:
-        path = work / label / f"summary-{peer.index}.json"
+    for peer in swarm.training_peers:
+        path = work / label / f"{peer.name}.json"
         if not path.exists():
             continue
         summary = json.loads(path.read_text())
@@ -311,10 +234,10 @@ def main(argv=None) -> int:
         work = Path(tmp)
         for repeat in range(settings["repeats"]):
             for peers in common.interleaved(peer_counts, repeat):
-                rows.append(scaling_run(run, peers, repeat, settings, base, work))
+                rows.append(asyncio.run(scaling_run(run, peers, repeat, settings, base, work)))
             if not args.skip_hiding and mode != "smoke":
                 for name in common.interleaved(list(HIDING_RUNS), repeat):
-                    hiding_rows.append(hiding_run(run, name, settings, base, work, repeat))
+                    hiding_rows.append(asyncio.run(hiding_run(run, name, settings, base, work, repeat)))
 
     speedup: Dict[str, Optional[float]] = {}
     for peers in peer_counts:

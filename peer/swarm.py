@@ -1,83 +1,38 @@
 """`peer swarm`: N peers on this machine, for trying things out and for tests.
 
-Peer 0 starts the swarm; the others are started once its events file says it is ready, and join it.
-Each peer is a `peer start` subprocess with its own checkpoint subdirectory, metrics port, events
-file and summary file; its output is prefixed with its name. With `--gpus`, one peer per GPU, each on its own
-(`--device cuda:N`). A signal to this process is passed
-on to every peer (a second one kills them), and every peer is told to stop (SIGTERM, via
-the parent-death signal) if this process dies. Exits non-zero if any peer failed.
+Built on the asyncio harness (peer/testing.py) that the tests and benchmarks use. Peer 0 starts the
+swarm; the others are started once its events file says it is ready, and join it. Each peer is a
+`peer start` subprocess in its own session with its own checkpoint subdirectory, metrics port, events
+file and summary file; its output is prefixed with its name. With `--gpus`, one peer per GPU, each on
+its own (`--device cuda:N`). A signal to this process is passed on to every peer (a second one kills
+them), and every peer is told to stop (SIGTERM, via the parent-death signal) if this process dies.
+Exits non-zero if any peer failed.
 """
 from __future__ import annotations
 
-import ctypes
+import asyncio
+import math
 import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import click
 
 from peer.config import PeerConfig
-from peer.events import Ready, read_events
 from peer.exit_codes import ExitCode
+from peer.testing import Peer, PeerFailed
 
 BOOTSTRAP_TIMEOUT_SECONDS = 180.0
-STOP_GRACE_SECONDS = 45.0
-PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """Runs in each child before exec: SIGTERM it (a graceful stop) if `peer swarm` dies."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def local_peer(config: PeerConfig, index: int, args: List[str]) -> Peer:
+    name = f"peer-{index}"
+    return Peer(name, "start", args, config.checkpoint.checkpoint_dir, output=_prefixed(name),
+                events_path=events_path(config, index), die_with_parent=True).start()
 
 
-class LocalPeer:
-    def __init__(self, index: int, args: List[str], events_path: Path):
-        self.name, self.events_path = f"peer-{index}", events_path
-        # the file may hold an earlier run's events: only what this run appends counts
-        self._events_offset = events_path.stat().st_size if events_path.is_file() else 0
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "peer", "start", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            bufsize=1,
-            preexec_fn=_die_with_parent,
-        )
-        self._reader = threading.Thread(target=self._relay_output, name=f"{self.name}-output", daemon=True)
-        self._reader.start()
-
-    def _relay_output(self) -> None:
-        for line in self.process.stdout:
-            click.echo(f"[{self.name}] {line.rstrip()}")
-
-    def join_address(self, timeout: float, stopping: threading.Event) -> Optional[str]:
-        """Its address once its `ready` event is written; None if it exits, a stop comes, or time runs out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not stopping.is_set():
-            exited = self.process.poll() is not None
-            events, _ = read_events(self.events_path, self._events_offset)
-            ready = next((event for event in events if isinstance(event, Ready) and event.multiaddrs), None)
-            if ready is not None:
-                return ready.multiaddrs[0]
-            if exited:
-                return None
-            stopping.wait(0.2)
-        return None
-
-    def signal(self, signum: int) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signum)
-
-    def wait(self, timeout: float) -> Optional[int]:
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
+def _prefixed(name: str) -> Callable[[str], None]:
+    return lambda line: click.echo(f"[{name}] {line}")
 
 
 def choose_gpus(spec: str, gpu_count: int) -> List[int]:
@@ -133,56 +88,75 @@ def peer_args(config: PeerConfig, base_args: List[str], index: int, summary_dir:
 
 def run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Optional[Path], base_args: List[str],
                     gpus: Sequence[int] = ()) -> int:
-    peers: List[LocalPeer] = []
-    stopping = threading.Event()
+    return asyncio.run(_run_local_swarm(config, num_peers, summary_dir, base_args, gpus))
 
-    def on_signal(signum, frame) -> None:
+
+async def _run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Optional[Path], base_args: List[str],
+                           gpus: Sequence[int]) -> int:
+    peers: List[Peer] = []
+    stopping = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
         if stopping.is_set():
             for peer in peers:
-                peer.signal(signal.SIGKILL)
+                peer.kill()
             return
         stopping.set()
         click.echo(f"[swarm] {signal.Signals(signum).name}: stopping {len(peers)} peer(s)", err=True)
         for peer in peers:
-            peer.signal(signal.SIGTERM)
+            peer.terminate()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
 
     try:
         config.checkpoint.checkpoint_dir.mkdir(parents=True, exist_ok=True)  # where the events files go by default
     except OSError:
         pass  # peer 0 refuses the directory in one line, and exits
-    first = LocalPeer(0, peer_args(config, base_args, 0, summary_dir, gpus), events_path(config, 0))
+    first = local_peer(config, 0, peer_args(config, base_args, 0, summary_dir, gpus))
     peers.append(first)
     if config.dht.initial_peers:
         initial_peers = ",".join(config.dht.initial_peers)  # joining an existing swarm: everyone uses it
     else:
-        initial_peers = first.join_address(BOOTSTRAP_TIMEOUT_SECONDS, stopping)
+        initial_peers = await _join_address(first, stopping)
         if initial_peers is None:
             if not stopping.is_set():
                 click.echo("[swarm] peer-0 exited or was not ready in time; not starting the others", err=True)
-                on_signal(signal.SIGTERM, None)
-            return _wait_all(peers)
+                on_signal(signal.SIGTERM)
+            return await _wait_all(peers)
     for index in range(1, num_peers):
         if stopping.is_set():
             break
         args = peer_args(config, base_args, index, summary_dir, gpus) + ["--initial-peers", initial_peers]
-        peers.append(LocalPeer(index, args, events_path(config, index)))
-    return _wait_all(peers)
+        peers.append(local_peer(config, index, args))
+    return await _wait_all(peers)
 
 
-def _wait_all(peers: List[LocalPeer]) -> int:
-    """Wait for every peer; a peer that fails makes the swarm's exit code 1."""
-    codes = {}
-    while len(codes) < len(peers):
-        for peer in peers:
-            if peer.name not in codes:
-                code = peer.wait(timeout=0.5)
-                if code is not None:
-                    codes[peer.name] = code
-                    click.echo(f"[swarm] {peer.name} exited with code {code}", err=True)
-    failed = [name for name, code in codes.items() if code != 0]
+async def _join_address(first: Peer, stopping: asyncio.Event) -> Optional[str]:
+    """Peer 0's address once it is ready; None if it exits, a stop comes, or time runs out."""
+    ready = asyncio.ensure_future(first.ready(BOOTSTRAP_TIMEOUT_SECONDS))
+    stopped = asyncio.ensure_future(stopping.wait())
+    await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not ready.done():
+        ready.cancel()
+        return None
+    try:
+        return ready.result().multiaddrs[0]
+    except (PeerFailed, IndexError):
+        return None
+
+
+async def _wait_all(peers: List[Peer]) -> int:
+    """Wait for every peer, saying when each exits; a peer that fails makes the swarm's exit code 1."""
+    async def exit_code(peer: Peer) -> int:
+        code = await peer.exit_code(math.inf)
+        click.echo(f"[swarm] {peer.name} exited with code {code}", err=True)
+        return code
+
+    codes = await asyncio.gather(*(exit_code(peer) for peer in peers))
+    failed = [peer.name for peer, code in zip(peers, codes) if code != 0]
     if failed:
         click.echo(f"[swarm] failed: {', '.join(failed)}", err=True)
         return ExitCode.FAILED

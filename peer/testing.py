@@ -21,13 +21,16 @@ any path, kills every process still running and checks that nothing of theirs su
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Type, TypeVar
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Type, TypeVar
 
 import psutil
 import torch
@@ -36,6 +39,9 @@ from peer.events import Event, Exited, Ready, latest_epoch, read_events
 
 POLL_SECONDS = 0.1
 KILL_WAIT_SECONDS = 10.0
+RECENT_OUTPUT_LINES = 200
+PR_SET_PDEATHSIG = 1
+EVENT_WRITERS = ("start", "bootstrap")  # the commands that take --events
 FAST_ARGS = (
     "--matchmaking-seconds", "1",
     "--averaging-timeout-seconds", "10",
@@ -48,6 +54,11 @@ E = TypeVar("E", bound=Event)
 T = TypeVar("T")
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it (a graceful stop) if the process that started it dies."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class PeerFailed(AssertionError):
     """A peer exited, or did not do in time, what a test awaited; the message ends with its log's tail."""
 
@@ -56,16 +67,26 @@ class Peer:
     """One `peer start` (or `peer bootstrap`) process of a Swarm."""
 
     def __init__(self, name: str, command: str, args: Sequence[str], workdir: Path,
-                 env: Optional[Dict[str, str]] = None, namespace: Optional[str] = None):
+                 env: Optional[Dict[str, str]] = None, prefix: Sequence[str] = (), *, events: bool = True,
+                 output: Optional[Callable[[str], None]] = None, events_path: Optional[Path] = None,
+                 die_with_parent: bool = False):
+        """
+        :param prefix: what the command runs under, such as `ip netns exec NAME` or `taskset -c 0`
+        :param events: pass --events (`peer start` and `peer bootstrap` write them; other commands do not)
+        :param output: called with each line the process prints, instead of writing <workdir>/<name>.log
+        :param die_with_parent: the process gets SIGTERM (a graceful stop) if this one dies
+        """
         self.name, self.command, self.args = name, command, list(args)
-        self.workdir, self.namespace = workdir, namespace
+        self.workdir, self.prefix = workdir, list(prefix)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.events_path = workdir / f"{name}.events.jsonl"
+        self.events_path = (events_path or workdir / f"{name}.events.jsonl") if events else None
         self.log_path = workdir / f"{name}.log"
         self.checkpoint_dir = workdir / name
+        self.output, self.die_with_parent = output, die_with_parent
         self.process: Optional[subprocess.Popen] = None
+        self._recent_output: Deque[str] = deque(maxlen=RECENT_OUTPUT_LINES)  # when relayed: for failure messages
         self._events: List[Event] = []  # this life's (since the last start)
-        self._offset = self.events_path.stat().st_size if self.events_path.is_file() else 0  # a reused workdir
+        self._offset = self._events_size()  # a reused workdir: only what is appended from now on counts
 
     # --- processes ---------------------------------------------------------------------------
 
@@ -75,14 +96,25 @@ class Peer:
             raise RuntimeError(f"{self.name} is still running")
         self._refresh()
         self._events = []  # the events file is appended to: what an earlier life wrote stays behind the offset
-        prefix = ["ip", "netns", "exec", self.namespace] if self.namespace else []
-        with open(self.log_path, "a") as log:
-            self.process = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "peer", self.command, *self.args, "--events", str(self.events_path)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd(), env=self.env,
-                start_new_session=True,
-            )
+        command = [*self.prefix, sys.executable, "-m", "peer", self.command, *self.args]
+        if self.events_path is not None:
+            command += ["--events", str(self.events_path)]
+        options = dict(stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd(), env=self.env,
+                       start_new_session=True, preexec_fn=_die_with_parent if self.die_with_parent else None)
+        if self.output is None:
+            with open(self.log_path, "a") as log:
+                self.process = subprocess.Popen(command, stdout=log, **options)
+        else:
+            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1, **options)
+            threading.Thread(target=self._relay_output, args=(self.process,), name=f"{self.name}-output",
+                             daemon=True).start()
         return self
+
+    def _relay_output(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            line = line.rstrip("\n")
+            self._recent_output.append(line)
+            self.output(line)
 
     @property
     def pid(self) -> int:
@@ -115,8 +147,19 @@ class Peer:
         except (ProcessLookupError, PermissionError):
             pass
 
+    async def stop(self, grace_seconds: float) -> Optional[int]:
+        """SIGTERM (a graceful stop), up to `grace_seconds` for it to exit, then SIGKILL whatever of its session
+        is left; its exit code, or None if it had to be killed."""
+        self.terminate()
+        try:
+            code: Optional[int] = await self.exit_code(grace_seconds)
+        except PeerFailed:
+            code = None
+        self.kill()
+        return code
+
     async def exit_code(self, timeout: float) -> int:
-        """Wait for the process to exit; its exit code."""
+        """Wait for the process to exit; its exit code. `timeout` may be math.inf (`peer swarm` waits for good)."""
         process = self._running_process()
         deadline = time.monotonic() + timeout
         while process.poll() is None:
@@ -151,8 +194,12 @@ class Peer:
         return list(self._events)
 
     def _refresh(self) -> None:
-        new, self._offset = read_events(self.events_path, self._offset)
-        self._events += new
+        if self.events_path is not None:
+            new, self._offset = read_events(self.events_path, self._offset)
+            self._events += new
+
+    def _events_size(self) -> int:
+        return self.events_path.stat().st_size if self.events_path is not None and self.events_path.is_file() else 0
 
     async def wait_for(self, kind: Type[E], where: Callable[[E], bool] = lambda event: True, *, timeout: float,
                        what: str = "") -> E:
@@ -179,13 +226,35 @@ class Peer:
     async def ready(self, timeout: float = 90.0) -> Ready:
         return await self.wait_for(Ready, timeout=timeout, what="it to be ready (a member of the swarm)")
 
+    def _ready(self) -> Ready:
+        """Its newest `ready` event (this life's)."""
+        ready = [event for event in self.events if isinstance(event, Ready)]
+        if not ready:
+            raise RuntimeError(f"{self.name} is not ready yet: await ready() first")
+        return ready[-1]
+
     @property
     def address(self) -> str:
         """The first multiaddr it listens on, once ready (what others pass as --initial-peers)."""
-        ready = [event for event in self.events if isinstance(event, Ready)]
-        if not ready or not ready[-1].multiaddrs:
-            raise RuntimeError(f"{self.name} has no address yet: await ready() first")
-        return ready[-1].multiaddrs[0]
+        ready = self._ready()
+        if not ready.multiaddrs:
+            raise RuntimeError(f"{self.name} listens on no address")
+        return ready.multiaddrs[0]
+
+    @property
+    def peer_id(self) -> str:
+        """Its peer id, once ready."""
+        return self._ready().peer_id
+
+    @property
+    def metrics_url(self) -> Optional[str]:
+        """Where it serves /metrics and /healthz, once ready (None with --metrics-port off)."""
+        return self._ready().metrics_url
+
+    @property
+    def short_id(self) -> str:
+        """The last 8 characters of its peer id: how `peer status`, the monitor and the metrics name it."""
+        return self.peer_id[-8:]
 
     @property
     def epoch(self) -> int:
@@ -206,22 +275,23 @@ class Peer:
 
     def model_state(self) -> Dict[str, torch.Tensor]:
         """The model tensors of its newest checkpoint."""
-        from peer.checkpoint import CheckpointStore
-
-        loaded = CheckpointStore(self.checkpoint_dir).load_latest()
-        if loaded is None:
-            raise PeerFailed(f"{self.name}: no checkpoint in {self.checkpoint_dir}\n{self.log_tail()}")
-        return loaded.state["model"]
+        try:
+            return load_model_state(self.checkpoint_dir)
+        except FileNotFoundError as e:
+            raise PeerFailed(f"{self.name}: {e}\n{self.log_tail()}") from None
 
     def log(self) -> str:
-        """Its output so far: for people, and for failure messages."""
+        """Its output so far (its last lines, when relayed): for people, and for failure messages."""
+        if self.output is not None:
+            return "\n".join(self._recent_output)
         try:
             return self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
 
     def log_tail(self, characters: int = 3000) -> str:
-        return f"--- the end of {self.log_path} ---\n{self.log()[-characters:]}"
+        source = f"the output of {self.name}" if self.output is not None else self.log_path
+        return f"--- the end of {source} ---\n{self.log()[-characters:]}"
 
 
 class Swarm:
@@ -229,8 +299,9 @@ class Swarm:
 
     `args` go to every peer; per-peer args come after them (for a flag given twice, the last wins).
     The harness adds the rest: a checkpoint directory, an events file and a summary per peer, a free
-    metrics port, listening on 127.0.0.1 (unless --host-maddrs is given), and --initial-peers of
-    the first peer for every later one.
+    metrics port (unless --metrics-port is given), listening on 127.0.0.1 (unless --host-maddrs is
+    given), and --initial-peers of the swarm's first node (a peer, or a `bootstrap()` node) for every
+    later one. `run()` starts any other `peer` command (a monitor, `peer swarm`) as part of the swarm.
     """
 
     def __init__(self, workdir: Path, *args: str, fast: bool = False, env: Optional[Dict[str, str]] = None):
@@ -249,19 +320,46 @@ class Swarm:
     def peer(self, index: int) -> Peer:
         return self.peers[index]
 
-    async def add(self, *args: str, name: Optional[str] = None, join: bool = True, ready: bool = True,
-                  env: Optional[Dict[str, str]] = None, namespace: Optional[str] = None,
-                  timeout: float = 90.0) -> Peer:
-        """Start one `peer start`; by default it joins the first peer and is awaited until ready."""
-        name = name or f"peer-{len(self.peers)}"
-        extra = ["--checkpoint-dir", str(self.workdir / name), "--summary-json", str(self.workdir / f"{name}.json"),
-                 "--metrics-port", "0"]
-        if "--host-maddrs" not in [*self.args, *args] and namespace is None:
-            extra += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-        if join and self.peers:
-            extra += ["--initial-peers", self.peers[0].address]
-        peer = Peer(name, "start", [*self.args, *extra, *args], self.workdir, {**self.env, **(env or {})}, namespace)
+    @property
+    def training_peers(self) -> List[Peer]:
+        return [peer for peer in self.peers if peer.command == "start"]
+
+    def run(self, command: str, *args: str, name: str, env: Optional[Dict[str, str]] = None,
+            prefix: Sequence[str] = ()) -> Peer:
+        """Start any `peer` command (`bootstrap`, `monitor`, `swarm`...) with `args` alone, torn down with the
+        swarm; `start` and `bootstrap` write events."""
+        peer = Peer(name, command, args, self.workdir, {**self.env, **(env or {})}, prefix,
+                    events=command in EVENT_WRITERS)
         self.peers.append(peer.start())
+        return peer
+
+    async def bootstrap(self, *args: str, name: str = "bootstrap", timeout: float = 90.0) -> Peer:
+        """Start a `peer bootstrap` node on 127.0.0.1 and await it; peers added later join through it."""
+        node = self.run("bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args, name=name)
+        await node.ready(timeout)
+        return node
+
+    async def add(self, *args: str, name: Optional[str] = None, join: bool = True, ready: bool = True,
+                  env: Optional[Dict[str, str]] = None, namespace: Optional[str] = None, prefix: Sequence[str] = (),
+                  timeout: float = 90.0) -> Peer:
+        """Start one `peer start`; by default it joins the swarm's first node and is awaited until ready.
+
+        :param namespace: run it in this network namespace (`ip netns exec`); it then listens on all addresses
+        :param prefix: what it runs under, such as `taskset -c 0`
+        """
+        name = name or f"peer-{len(self.peers)}"
+        extra = ["--checkpoint-dir", str(self.workdir / name), "--summary-json", str(self.workdir / f"{name}.json")]
+        given = [*self.args, *args]
+        if "--metrics-port" not in given:
+            extra += ["--metrics-port", "0"]
+        if "--host-maddrs" not in given and namespace is None:
+            extra += ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+        entry = next((peer for peer in self.peers if peer.command in EVENT_WRITERS), None)
+        if join and entry is not None:
+            extra += ["--initial-peers", entry.address]
+        if namespace is not None:
+            prefix = ["ip", "netns", "exec", namespace, *prefix]
+        peer = self.run("start", *self.args, *extra, *args, name=name, env=env, prefix=prefix)
         if ready:
             await peer.ready(timeout)
         return peer
@@ -274,11 +372,12 @@ class Swarm:
         return [first, *others]
 
     async def all_reached(self, epoch: int, timeout: float, peers: Optional[Sequence[Peer]] = None) -> None:
-        """Wait until every peer (or those given) is at `epoch` or later."""
-        await asyncio.gather(*(peer.reach(epoch, timeout) for peer in (peers or self.peers)))
+        """Wait until every training peer (or those given) is at `epoch` or later."""
+        await asyncio.gather(*(peer.reach(epoch, timeout) for peer in (peers or self.training_peers)))
 
     async def all_exited(self, timeout: float, peers: Optional[Sequence[Peer]] = None) -> List[int]:
-        return list(await asyncio.gather(*(peer.exit_code(timeout) for peer in (peers or self.peers))))
+        """Wait until every training peer (or those given) has exited; their exit codes."""
+        return list(await asyncio.gather(*(peer.exit_code(timeout) for peer in (peers or self.training_peers))))
 
     async def close(self) -> None:
         """Kill whatever is still running, reap it, and check that nothing of any peer survived."""
@@ -302,6 +401,18 @@ class Swarm:
         raise PeerFailed(f"processes of the swarm survived SIGKILL: {[proc.pid for proc in survivors]}")
 
 
+async def until(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.5) -> T:
+    """Await something that no event tells (a metrics endpoint, a file): the first truthy value of `condition`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
 def session_processes(session_id: int) -> List[psutil.Process]:
     """Live processes of a session (a process started with start_new_session leads the session of its pid)."""
     alive = []
@@ -312,6 +423,16 @@ def session_processes(session_id: int) -> List[psutil.Process]:
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     return alive
+
+
+def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
+    """The model tensors of the newest checkpoint in a checkpoint directory (FileNotFoundError if none)."""
+    from peer.checkpoint import CheckpointStore
+
+    loaded = CheckpointStore(Path(checkpoint_dir)).load_latest()
+    if loaded is None:
+        raise FileNotFoundError(f"no checkpoint in {checkpoint_dir}")
+    return loaded.state["model"]
 
 
 def max_parameter_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,9 +11,9 @@ from typing import List
 
 import pytest
 
-from peer.events import Exited, Ready
-from peer.testing import session_processes
-from tests.peers import REPO_ROOT, start_peer, wait_until
+from peer.testing import Swarm, until
+from tests.peers import REPO_ROOT, free_port
+from tests.test_monitoring_peers import get
 
 pytestmark = pytest.mark.integration
 
@@ -30,15 +29,17 @@ def run_peer(cwd: Path, *args: str, timeout: float) -> subprocess.CompletedProce
 
 
 @pytest.mark.timeout(240)
-def test_status_lists_both_peers_of_a_keyed_swarm_with_its_progress_and_manifest(spawn, tmp_path: Path):
+async def test_status_lists_both_peers_of_a_keyed_swarm_with_its_progress_and_manifest(tmp_path: Path):
     """With --swarm-key, progress records and the manifest live under keyed names: status reads them there."""
     key = tmp_path / "swarm.key"
     key.write_text("a-shared-secret-for-the-swarm")
-    common = ["--target-batch-size", "256", "--min-peers", "2", "--max-seconds", "180", "--swarm-key", str(key)]
-    first = start_peer(spawn, tmp_path, "a", *common)
-    address = first.join_address()
-    start_peer(spawn, tmp_path, "b", *common, "--initial-peers", address)
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "256", "--min-peers", "2",
+                     "--max-seconds", "180", "--swarm-key", str(key), fast=True) as swarm:
+        first, second = await swarm.start(2)
+        await check_status_of_keyed_swarm(tmp_path, key, first.address)
 
+
+async def check_status_of_keyed_swarm(tmp_path: Path, key: Path, address: str) -> None:
     report = {}
 
     def both_listed() -> bool:
@@ -49,7 +50,7 @@ def test_status_lists_both_peers_of_a_keyed_swarm_with_its_progress_and_manifest
         report = json.loads(done.stdout)
         return len(report["peers"]) == 2 and report["swarm"]["training_peers"] >= 1
 
-    wait_until(both_listed, 150, interval=1.0, message="peer status to list both peers")
+    await until(both_listed, 150, "peer status to list both peers", interval=1.0)
     swarm, peers = report["swarm"], report["peers"]
     assert swarm["peers"] == 2 and swarm["run_id"] == "swarmtrain" and swarm["target_batch_size"] == 256
     assert swarm["training_peers"] >= 1  # hivemind's progress record: peers that reported samples
@@ -96,63 +97,62 @@ def test_status_exits_1_with_one_line_when_the_swarm_is_unreachable(tmp_path: Pa
 
 
 @pytest.mark.timeout(150)
-def test_unreachable_initial_peer_fails_after_bounded_retries(spawn, tmp_path: Path):
+async def test_unreachable_initial_peer_fails_after_bounded_retries(tmp_path: Path):
     attempts, timeout_seconds = 2, 5
-    node = spawn("boot", "bootstrap", "--initial-peers", UNREACHABLE, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                 "--startup-attempts", str(attempts), "--startup-timeout-seconds", str(timeout_seconds))
     bound = attempts * timeout_seconds + 1  # one backoff of 1 s between the two attempts
-    assert node.wait(bound + PYTHON_START_SECONDS) == 1, node.log()[-3000:]
-    log = node.log()
+    async with Swarm(tmp_path) as swarm:
+        node = swarm.run("bootstrap", "--initial-peers", UNREACHABLE, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                         "--startup-attempts", str(attempts), "--startup-timeout-seconds", str(timeout_seconds),
+                         name="boot")
+        exited = await node.exited(timeout=bound + PYTHON_START_SECONDS)
+        assert (exited.code, exited.reason) == (1, "failed"), node.log_tail()
+        await until(lambda: not node.session_processes(), 15, "no process of the failed node to remain")
+    log = node.log()  # what the operator reads
     assert "DHT start attempt 1/2 failed" in log
     [error] = [line for line in log.splitlines() if "could not join the swarm" in line]
     assert f"after {attempts} attempts" in error and UNREACHABLE in error and "last error: " in error
-    wait_until(lambda: not session_processes(node.pid), 15, message="no process of the failed node to remain")
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_stopped_while_it_joins_exits_0_without_waiting_out_the_attempt(spawn, tmp_path: Path):
+async def test_a_peer_stopped_while_it_joins_exits_0_without_waiting_out_the_attempt(tmp_path: Path):
     # a listener that accepts and never answers: each attempt to join through it lasts until p2pd gives up (~5 s)
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
         address = f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/QmZurcthsZnDEsqwnnY67QJW6mAXMS3VayxHZMFQ6QHNKX"
-        peer = start_peer(spawn, tmp_path, "joiner", "--initial-peers", address, "--startup-timeout-seconds", "30")
-        wait_until(lambda: "metrics on" in peer.log(), PYTHON_START_SECONDS, message="the peer to start joining")
-        peer.send(signal.SIGTERM)
-        assert peer.wait(30) == 0, peer.log()[-3000:]
-    log = peer.log()
-    assert "peer stopped (signal:SIGTERM)" in log
-    assert "DHT start attempt" not in log, "the attempt under way was waited out (and retried) instead of abandoned"
-    wait_until(lambda: not session_processes(peer.pid), 15, message="no process of the stopped peer to remain")
+        port = free_port()
+        async with Swarm(tmp_path, "--task", "bytelm-tiny", fast=True) as swarm:
+            peer = await swarm.add("--initial-peers", address, "--startup-timeout-seconds", "30",
+                                   "--metrics-port", str(port), join=False, ready=False)
+            # its metrics server starts just before it joins
+            await until(lambda: get(port, "/healthz")[0] != 0, PYTHON_START_SECONDS, "the peer to start joining")
+            peer.terminate()
+            exited = await peer.exited(timeout=30)
+            assert (exited.code, exited.reason) == (0, "signal:SIGTERM"), peer.log_tail()
+            await until(lambda: not peer.session_processes(), 15, "no process of the stopped peer to remain")
+    assert "DHT start attempt" not in peer.log(), "the attempt under way was waited out (and retried) instead of " \
+                                                  "abandoned"
 
 
 @pytest.mark.timeout(300)
-def test_peers_that_know_only_the_bootstrap_node_find_each_other_and_average(spawn, tmp_path: Path):
+async def test_peers_that_know_only_the_bootstrap_node_find_each_other_and_average(tmp_path: Path):
     maddrs_file = tmp_path / "bootstrap-maddrs.txt"
-    identity = tmp_path / "bootstrap.key"
-    boot = spawn("boot", "bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", str(identity),
-                 "--write-maddrs", str(maddrs_file))
-    wait_until(lambda: maddrs_file.exists() or boot.process.poll() is not None, 90, message="the maddrs file")
-    assert maddrs_file.exists(), boot.log()[-3000:]
-    maddrs: List[str] = maddrs_file.read_text().splitlines()
-    assert maddrs and all(maddr.startswith("/ip4/127.0.0.1/tcp/") for maddr in maddrs)
-    # printed at start, too: just after the file is written, so the log may lag the file by a moment
-    wait_until(lambda: maddrs[0] in boot.log(), 10, message="the bootstrap node to print its multiaddrs")
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "32", "--min-peers", "2",
+                     "--max-epochs", "3", fast=True) as swarm:
+        boot = await swarm.bootstrap("--identity", str(tmp_path / "bootstrap.key"), "--write-maddrs", str(maddrs_file))
+        maddrs: List[str] = maddrs_file.read_text().splitlines()  # written before it says it is ready
+        assert maddrs and all(maddr.startswith("/ip4/127.0.0.1/tcp/") for maddr in maddrs)
+        assert boot.events[0].role == "bootstrap" and boot.events[0].multiaddrs == maddrs
+        assert maddrs[0] in boot.log()  # printed for people, too
 
-    common = ["--target-batch-size", "32", "--min-peers", "2", "--max-epochs", "3",
-              "--initial-peers-file", str(maddrs_file)]
-    peers = [start_peer(spawn, tmp_path, name, *common) for name in ("a", "b")]
-    for peer in peers:
-        assert peer.wait(200) == 0, peer.log()[-4000:]
-    summaries = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("a", "b")]
-    assert summaries[0]["global_epoch"] == summaries[1]["global_epoch"] == 3
-    for summary in summaries:
-        assert summary["averaging_rounds"]["ok"] >= 1, summary
+        peers = [await swarm.add("--initial-peers-file", str(maddrs_file), join=False, name=name) for name in "ab"]
+        assert await swarm.all_exited(timeout=200) == [0, 0]
+        for peer in peers:
+            summary = json.loads((tmp_path / f"{peer.name}.json").read_text())
+            assert summary["global_epoch"] == 3 and summary["averaging_rounds"]["ok"] >= 1, summary
 
-    boot.send(signal.SIGTERM)
-    assert boot.wait(30) == 0, boot.log()[-3000:]
+        boot.terminate()
+        exited = await boot.exited(timeout=30)
+        assert exited.code == 0, boot.log_tail()
+        await until(lambda: not boot.session_processes(), 15, "every child of the bootstrap node to exit")
     assert "Traceback" not in boot.log()
-    wait_until(lambda: not session_processes(boot.pid), 15, message="every child of the bootstrap node to exit")
-    ready, exited = boot.events()  # its events file: the same addresses, then a clean exit
-    assert isinstance(ready, Ready) and ready.role == "bootstrap" and ready.multiaddrs == maddrs
-    assert isinstance(exited, Exited) and exited.code == 0

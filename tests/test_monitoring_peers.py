@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Dict, Optional, Tuple
 
@@ -9,7 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monitoring import CONTRACT_METRICS
-from tests.peers import FAST_SWARM_ARGS, free_port, wait_until
+from peer.events import BottleneckChanged
+from peer.testing import Peer, Swarm, until
 
 pytestmark = pytest.mark.integration
 
@@ -48,22 +50,27 @@ def bottleneck(port: int) -> Optional[str]:
     return None
 
 
-@pytest.mark.timeout(150)
-def test_every_contract_metric_is_exported_and_counters_move(spawn):
-    port = free_port()
-    peer = spawn("peer", "start", *FAST_SWARM_ARGS, "--target-batch-size", "32", "--metrics-port", str(port))
-    wait_until(lambda: peer.epoch() >= 2, 90, message="two epochs")
-    first = scrape(port)
-    exposed = {name for name, _ in first}
-    for name, kind in CONTRACT_METRICS.items():
-        expected = f"{name}_count" if kind == "histogram" else name
-        assert expected in exposed, f"{name} missing from /metrics"
-    info = [labels for name, labels in first if name == "peer_info"]
-    assert len(info) == 1 and dict(info[0])["device"] == "cpu"
+def metrics_port(peer: Peer) -> int:
+    return urllib.parse.urlsplit(peer.metrics_url).port
 
-    samples_before = value(first, "peer_samples_total")
-    wait_until(lambda: (value(scrape(port), "peer_samples_total") or 0) > samples_before + 64, 60, message="more steps")
-    second = scrape(port)
+
+@pytest.mark.timeout(150)
+async def test_every_contract_metric_is_exported_and_counters_move(tmp_path):
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "32", fast=True) as swarm:
+        peer = await swarm.add()
+        port = metrics_port(peer)
+        await peer.reach(2, timeout=90)
+        first = scrape(port)
+        exposed = {name for name, _ in first}
+        for name, kind in CONTRACT_METRICS.items():
+            expected = f"{name}_count" if kind == "histogram" else name
+            assert expected in exposed, f"{name} missing from /metrics"
+        info = [labels for name, labels in first if name == "peer_info"]
+        assert len(info) == 1 and dict(info[0])["device"] == "cpu"
+
+        samples_before = value(first, "peer_samples_total")
+        await until(lambda: (value(scrape(port), "peer_samples_total") or 0) > samples_before + 64, 60, "more steps")
+        second = scrape(port)
     for counter in ("peer_samples_total", "peer_local_steps_total"):
         assert value(second, counter) > value(first, counter) > 0
     assert (value(second, "peer_phase_seconds_total", phase="forward")
@@ -76,23 +83,21 @@ def test_every_contract_metric_is_exported_and_counters_move(spawn):
 
 
 @pytest.mark.timeout(120)
-def test_healthz_turns_503_when_the_training_loop_stalls(spawn):
-    port = free_port()
-    peer = spawn(
-        "peer", "start", *FAST_SWARM_ARGS, "--task", "tests.tasks_for_tests:make_stalling_task",
-        "--target-batch-size", "16", "--metrics-port", str(port), "--health-window-seconds", "4",
-        env={"STALL_AFTER_ITEMS": "400"},
-    )
-    seen = []
+async def test_healthz_turns_503_when_the_training_loop_stalls(tmp_path):
+    async with Swarm(tmp_path, "--task", "tests.tasks_for_tests:make_stalling_task", "--target-batch-size", "16",
+                     "--health-window-seconds", "4", fast=True, env={"STALL_AFTER_ITEMS": "400"}) as swarm:
+        peer = await swarm.add()
+        port = metrics_port(peer)
+        seen = []
 
-    def stalled() -> bool:
-        seen.append(get(port, "/healthz"))
-        return seen[-1][0] == 503 and seen[-1][1].startswith("no training progress for")
+        def stalled() -> bool:
+            seen.append(get(port, "/healthz"))
+            return seen[-1][0] == 503 and seen[-1][1].startswith("no training progress for")
 
-    wait_until(stalled, 100, message="/healthz to report the stall")
-    assert (200, "ok\n") in seen  # it was healthy while training
-    assert peer.epoch() >= 1
-    assert seen[-1][1].count("\n") <= 1
+        await until(stalled, 100, "/healthz to report the stall", interval=0.2)
+        assert (200, "ok\n") in seen  # it was healthy while training
+        assert peer.epoch >= 1
+        assert seen[-1][1].count("\n") <= 1
 
 
 @pytest.mark.timeout(150)
@@ -105,20 +110,20 @@ def test_healthz_turns_503_when_the_training_loop_stalls(spawn):
          "compute"),
     ],
 )
-def test_single_peer_bottleneck_is_classified(spawn, task, extra, expected):
-    port = free_port()
-    args = [*FAST_SWARM_ARGS, "--task", task, *extra, "--metrics-port", str(port)]
-    spawn("peer", "start", *args)
-    wait_until(lambda: bottleneck(port) == expected, 120, interval=1.0, message=f"a {expected}-bound classification")
+async def test_single_peer_bottleneck_is_classified(tmp_path, task, extra, expected):
+    async with Swarm(tmp_path, "--task", task, *extra, fast=True) as swarm:
+        peer = await swarm.add()
+        await until(lambda: bottleneck(metrics_port(peer)) == expected, 120, f"a {expected}-bound classification",
+                    interval=1.0)
+        changes = [event for event in peer.events if isinstance(event, BottleneckChanged)]
+        assert changes and changes[-1].category == expected  # its events say what its metrics say
 
 
 @pytest.mark.timeout(180)
-def test_swarm_with_tiny_model_and_long_averaging_is_communication_bound(spawn):
-    ports = [free_port(), free_port()]
-    common = [*FAST_SWARM_ARGS, "--target-batch-size", "32", "--matchmaking-seconds", "3", "--min-peers", "2"]
-    # each its own --checkpoint-dir (relative to the shared working directory): one directory takes one peer
-    first = spawn("a", "start", *common, "--metrics-port", str(ports[0]), "--checkpoint-dir", "ckpt-a")
-    spawn("b", "start", *common, "--metrics-port", str(ports[1]), "--checkpoint-dir", "ckpt-b",
-          "--initial-peers", first.join_address())
-    wait_until(lambda: bottleneck(ports[0]) == "communication" and bottleneck(ports[1]) == "communication",
-               150, interval=1.0, message="both peers classified communication-bound")
+async def test_swarm_with_tiny_model_and_long_averaging_is_communication_bound(tmp_path):
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "32", "--min-peers", "2", fast=True,
+                     ) as swarm:
+        peers = await swarm.start(2, "--matchmaking-seconds", "3")
+        ports = [metrics_port(peer) for peer in peers]
+        await until(lambda: all(bottleneck(port) == "communication" for port in ports), 150,
+                    "both peers classified communication-bound", interval=1.0)

@@ -1,14 +1,13 @@
 """The swarm monitor: per-peer series from DHT records, removed when a peer leaves."""
 from __future__ import annotations
 
-import signal
-
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from monitoring.swarm_metrics import SWARM_METRICS, SwarmCollector
-from tests.peers import FAST_SWARM_ARGS, wait_until
-from tests.test_monitoring_peers import free_port, scrape, value
+from peer.testing import Swarm, until
+from tests.peers import free_port
+from tests.test_monitoring_peers import scrape, value
 
 
 def snapshot(*short_ids: str) -> dict:
@@ -44,22 +43,21 @@ def test_collector_renders_the_latest_snapshot_only():
 
 @pytest.mark.integration
 @pytest.mark.timeout(180)
-def test_monitor_follows_peers_joining_and_leaving(spawn):
-    common = [*FAST_SWARM_ARGS, "--target-batch-size", "64", "--min-peers", "2"]
-    # each its own --checkpoint-dir (relative to the shared working directory): one directory takes one peer
-    first = spawn("a", "start", *common, "--checkpoint-dir", "ckpt-a")
-    address = first.join_address()
-    second = spawn("b", "start", *common, "--checkpoint-dir", "ckpt-b", "--initial-peers", address)
-    port = free_port()
-    spawn("monitor", "monitor", "--initial-peers", address, "--metrics-port", str(port), "--refresh-seconds", "1")
+async def test_monitor_follows_peers_joining_and_leaving(tmp_path):
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "64", "--min-peers", "2",
+                     fast=True) as swarm:
+        first, second = await swarm.start(2)
+        port = free_port()
+        swarm.run("monitor", "--initial-peers", first.address, "--metrics-port", str(port), "--refresh-seconds", "1",
+                  name="monitor")
 
-    wait_until(lambda: value(scrape(port), "swarm_peers") == 2, 90, interval=1.0, message="the monitor to see 2 peers")
-    samples = scrape(port)
-    peers = {dict(labels)["peer"] for name, labels in samples if name == "swarm_peer_info"}
-    assert len(peers) == 2 and all(len(peer) == 8 for peer in peers)
+        await until(lambda: value(scrape(port), "swarm_peers") == 2, 90, "the monitor to see 2 peers")
+        samples = scrape(port)
+        peers = {dict(labels)["peer"] for name, labels in samples if name == "swarm_peer_info"}
+        assert peers == {first.short_id, second.short_id}
 
-    second.send(signal.SIGTERM)
-    assert second.wait(30) == 0
-    wait_until(lambda: value(scrape(port), "swarm_peers") == 1, 60, interval=1.0, message="the departed peer to vanish")
-    remaining = {dict(labels)["peer"] for name, labels in scrape(port) if name == "swarm_peer_info"}
-    assert len(remaining) == 1 and remaining < peers
+        second.terminate()
+        assert await second.exit_code(timeout=30) == 0
+        await until(lambda: value(scrape(port), "swarm_peers") == 1, 60, "the departed peer to vanish")
+        remaining = {dict(labels)["peer"] for name, labels in scrape(port) if name == "swarm_peer_info"}
+        assert remaining == {first.short_id}
