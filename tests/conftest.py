@@ -1,29 +1,10 @@
-"""Shared fixtures. Every process a test starts is killed at teardown, on every path."""
+"""Shared options and the order of the tests. Peer processes run under the harness (peer/testing.py),
+which kills them at teardown, on every path."""
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Iterator, List
+from typing import List
 
 import pytest
-
-from tests.peers import PeerProcess
-
-
-@pytest.fixture
-def spawn(tmp_path: Path) -> Iterator:
-    """spawn(name, *args, env=None) -> PeerProcess running `peer <args>` with its log in tmp_path/name.log."""
-    started: List[PeerProcess] = []
-
-    def _spawn(name: str, *args: str, env=None) -> PeerProcess:
-        process = PeerProcess(tmp_path / f"{name}.log", list(args), env=env)
-        started.append(process)
-        return process
-
-    try:
-        yield _spawn
-    finally:
-        for process in started:
-            process.kill_everything()
 
 
 def pytest_addoption(parser) -> None:

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import child_env
 from peer import checkpoint_lock
 from peer.builder import PeerBuilder
 from peer.checkpoint_lock import LOCK_FILE_NAME, CheckpointDirInUse, CheckpointDirLock
 from peer.config import load_config
+from peer.events import Ready
 from peer.exit_codes import BadInput
 from peer.signals import StopRequest
-from tests.peers import start_peer, wait_until
+from peer.testing import Swarm, until
+from tests.peers import REPO_ROOT
 
 CHILD_TIMEOUT_SECONDS = 60
 
@@ -54,7 +55,8 @@ def holder(tmp_path):
 
     def start(directory: Path):
         process = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, text=True, env=child_env(), start_new_session=True)
+                                   stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                                   start_new_session=True)
         started.append(process)
         line = process.stdout.readline()  # the pipe closes if the child dies: never blocks forever
         assert line, f"the lock holder exited with {process.wait(CHILD_TIMEOUT_SECONDS)}"
@@ -150,28 +152,30 @@ def fingerprints(directory: Path) -> dict:
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
-def test_a_second_peer_on_a_busy_checkpoint_dir_exits_2_and_the_first_trains_on_untouched(spawn, tmp_path):
+async def test_a_second_peer_on_a_busy_checkpoint_dir_exits_2_and_the_first_trains_on_untouched(tmp_path):
     # --keep-checkpoints 100000: the first peer prunes nothing, so every file it had must still be there,
     # unchanged (alone, it writes several checkpoints a second: 100 were pruned under suite load once)
-    first = start_peer(spawn, tmp_path, "a", "--target-batch-size", "16", "--checkpoint-every-epochs", "1",
-                       "--keep-checkpoints", "100000")
-    wait_until(lambda: len(fingerprints(tmp_path / "a")) >= 2, 90, message="the first peer's first two checkpoints")
-    before = fingerprints(tmp_path / "a")
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "16", fast=True) as swarm:
+        first = await swarm.add("--checkpoint-every-epochs", "1", "--keep-checkpoints", "100000", name="a")
+        await until(lambda: len(fingerprints(first.checkpoint_dir)) >= 2, 90, "the first peer's first two checkpoints")
+        before = fingerprints(first.checkpoint_dir)
 
-    second = start_peer(spawn, tmp_path, "b", "--checkpoint-dir", str(tmp_path / "a"))
-    assert second.wait(60) == 2, second.log()[-3000:]
+        second = await swarm.add("--checkpoint-dir", str(first.checkpoint_dir), name="b", ready=False)
+        exited = await second.exited(timeout=60)
+        assert exited.code == 2, second.log_tail()
 
-    output = second.log()
-    errors = [line for line in output.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: --checkpoint-dir {tmp_path / 'a'} is in use by another peer (pid {first.pid}): two "
-                      f"peers on one directory resume from the same checkpoint and prune each other's; stop that "
-                      f"peer, or give this one its own directory with --checkpoint-dir"], output[-3000:]
-    assert "Traceback" not in output
-    assert "To join this swarm" not in output and "peer id" not in output  # it left before joining anything
-    newest = max(before)
-    wait_until(lambda: max(fingerprints(tmp_path / "a")) > newest, 60, message="a later checkpoint of the first peer")
-    first.send(signal.SIGTERM)
-    assert first.wait(30) == 0, first.log()[-3000:]
-    after = fingerprints(tmp_path / "a")
+        output = second.log()  # the one line a person reads
+        errors = [line for line in output.splitlines() if line.startswith("error: ")]
+        busy = first.checkpoint_dir
+        assert errors == [f"error: --checkpoint-dir {busy} is in use by another peer (pid {first.pid}): two peers on "
+                          f"one directory resume from the same checkpoint and prune each other's; stop that peer, or "
+                          f"give this one its own directory with --checkpoint-dir"], output[-3000:]
+        assert "Traceback" not in output
+        assert not [event for event in second.events if isinstance(event, Ready)]  # it left before joining anything
+        newest = max(before)
+        await until(lambda: max(fingerprints(busy)) > newest, 60, "a later checkpoint of the first peer")
+        first.terminate()
+        assert await first.exit_code(timeout=30) == 0, first.log_tail()
+    after = fingerprints(first.checkpoint_dir)
     assert {name: after.get(name) for name in before} == before
     assert not (tmp_path / "b.json").exists()  # the refused peer wrote no summary either

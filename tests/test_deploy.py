@@ -8,6 +8,7 @@ Missing tools are installed with apt-get when running as root; otherwise those t
 """
 from __future__ import annotations
 
+import asyncio
 import configparser
 import importlib.util
 import json
@@ -15,7 +16,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +31,8 @@ import yaml
 
 from monitoring.metrics import CONTRACT_METRICS
 from monitoring.swarm_metrics import SWARM_METRICS
-from tests.peers import FAST_SWARM_ARGS, REPO_ROOT, PeerProcess, wait_until
+from peer.testing import Peer, Swarm, until
+from tests.peers import FAST_SWARM_ARGS, REPO_ROOT, wait_until
 
 DEPLOY = REPO_ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
@@ -153,7 +154,7 @@ def test_compose_peers_read_the_address_the_bootstrap_writes(compose: Dict):
 
 @pytest.mark.integration
 @pytest.mark.timeout(180)
-def test_compose_bootstrap_flow_runs_here(compose: Dict, spawn, tmp_path: Path):
+async def test_compose_bootstrap_flow_runs_here(compose: Dict, tmp_path: Path):
     """The compose commands, health check and environment, run as processes on 127.0.0.1.
 
     Only the container paths, the ports and the host names are rewritten; the DNS form of the
@@ -179,33 +180,35 @@ def test_compose_bootstrap_flow_runs_here(compose: Dict, spawn, tmp_path: Path):
         return subprocess.run([sys.executable, "-c", local(healthcheck[3])], capture_output=True,
                               timeout=TOOL_TIMEOUT_SECONDS).returncode == 0
 
-    def start_bootstrap(name: str) -> PeerProcess:
-        return spawn(name, *map(local, command_of(services["bootstrap"])), env=services["bootstrap"]["environment"])
+    async with Swarm(tmp_path) as swarm:
+        def launch(name: str, service: str, *extra: str) -> Peer:
+            """The service's command and environment, as a process of the swarm."""
+            command, *args = map(local, command_of(services[service]))
+            return swarm.run(command, *args, *extra, name=name, env=services[service]["environment"])
 
-    assert not healthy(), "healthy before the bootstrap node started"
-    bootstrap = start_bootstrap("bootstrap")
-    wait_until(healthy, 60, message=f"the compose health check of the bootstrap node:\n{bootstrap.log()}")
-    address_file = Path(local(flag_value(command_of(services["bootstrap"]), "--write-maddrs")))
-    address = address_file.read_text()
-    assert address.startswith(f"/dns4/localhost/tcp/{port}/p2p/"), address
+        assert not healthy(), "healthy before the bootstrap node started"
+        bootstrap = launch("bootstrap", "bootstrap")
+        await until(healthy, 60, "the compose health check of the bootstrap node")
+        address_file = Path(local(flag_value(command_of(services["bootstrap"]), "--write-maddrs")))
+        address = address_file.read_text()
+        assert address.startswith(f"/dns4/localhost/tcp/{port}/p2p/"), address
 
-    # The peer service's command and environment; flags only shrink the run for a test.
-    peer = spawn("peer", *map(local, command_of(services["peer"])), *FAST_SWARM_ARGS, "--min-peers", "1",
-                 "--max-seconds", "3", "--metrics-port", "0", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                 env=services["peer"]["environment"])
-    monitor = spawn("monitor", *map(local, command_of(services["monitor"])), env=services["monitor"]["environment"])
-    assert peer.wait(120) == 0, peer.log()[-3000:]
-    wait_until(lambda: image_healthcheck(monitor_port).returncode == 0 or monitor.process.poll() is not None, 60,
-               message="the monitor's /healthz")
-    assert image_healthcheck(monitor_port).returncode == 0, monitor.log()[-3000:]
+        # The peer service's command and environment; flags only shrink the run for a test.
+        peer = launch("peer", "peer", *FAST_SWARM_ARGS, "--min-peers", "1", "--max-seconds", "3", "--metrics-port",
+                      "0", "--checkpoint-dir", str(tmp_path / "ckpt"))
+        monitor = launch("monitor", "monitor")
+        assert await peer.exit_code(timeout=120) == 0, peer.log_tail()
+        await until(lambda: image_healthcheck(monitor_port).returncode == 0 or monitor.process.poll() is not None, 60,
+                    "the monitor's /healthz")
+        assert image_healthcheck(monitor_port).returncode == 0, monitor.log_tail()
 
-    # Restarted, the node keeps its identity, so the address peers read stays right.
-    bootstrap.send(signal.SIGTERM)
-    assert bootstrap.wait(30) == 0, bootstrap.log()[-3000:]
-    address_file.unlink()
-    start_bootstrap("bootstrap-again")
-    wait_until(healthy, 60, message="the restarted bootstrap node")
-    assert address_file.read_text() == address
+        # Restarted, the node keeps its identity, so the address peers read stays right.
+        bootstrap.terminate()
+        assert await bootstrap.exit_code(timeout=30) == 0, bootstrap.log_tail()
+        address_file.unlink()
+        launch("bootstrap-again", "bootstrap")
+        await until(healthy, 60, "the restarted bootstrap node")
+        assert address_file.read_text() == address
 
 
 def test_promtool_accepts_the_prometheus_config(promtool: str):
@@ -426,50 +429,38 @@ class Prometheus:
 
 
 class LiveSwarm:
-    def __init__(self, prometheus: Prometheus, instances: List[str], peers: List[PeerProcess],
-                 monitor: PeerProcess):
+    def __init__(self, prometheus: Prometheus, instances: List[str], peers: List[Peer], monitor: Peer):
         self.prometheus, self.instances, self.peers, self.monitor = prometheus, instances, peers, monitor
 
     def logs(self) -> str:
-        processes = [*self.peers, self.monitor]
-        return "\n".join(f"--- {p.log_path.name}\n{p.log()[-1500:]}" for p in processes)
+        return "\n".join(process.log_tail(1500) for process in [*self.peers, self.monitor])
 
 
 @pytest.fixture(scope="module")
 def live_swarm(prometheus_binary: str, tmp_path_factory) -> Iterator[LiveSwarm]:
     """Two `peer start` processes, `peer monitor`, and Prometheus scraping them.
 
-    Module-scoped so the peer panels and the monitor panels share one swarm; like the
-    `spawn` fixture, every process is killed at teardown.
+    Module-scoped so the peer panels and the monitor panels share one swarm; the harness kills every
+    process at teardown.
     """
     workdir = tmp_path_factory.mktemp("live-swarm")
-    a_port, b_port, monitor_port = free_ports(3)
-    started: List[PeerProcess] = []
+    [monitor_port] = free_ports(1)
+    swarm = Swarm(workdir, *FAST_SWARM_ARGS, "--min-peers", "2", "--target-batch-size", "32", "--max-seconds", "600",
+                  "--metrics-host", "127.0.0.1")
     prometheus = None
-
-    def start(name: str, *args: str) -> PeerProcess:
-        started.append(PeerProcess(workdir / f"{name}.log", list(args)))
-        return started[-1]
-
-    common = [*FAST_SWARM_ARGS, "--min-peers", "2", "--target-batch-size", "32", "--max-seconds", "600",
-              "--metrics-host", "127.0.0.1"]
     try:
-        a = start("a", "start", *common, "--metrics-port", str(a_port), "--checkpoint-dir", str(workdir / "a"))
-        address = a.join_address()
-        b = start("b", "start", *common, "--metrics-port", str(b_port), "--checkpoint-dir", str(workdir / "b"),
-                  "--initial-peers", address)
-        monitor = start("monitor", "monitor", "--initial-peers", address, "--metrics-port", str(monitor_port),
-                        "--target-batch-size", "32", "--metrics-host", "127.0.0.1")
-        instances = [f"127.0.0.1:{a_port}", f"127.0.0.1:{b_port}"]
+        peers = asyncio.run(swarm.start(2))
+        monitor = swarm.run("monitor", "--initial-peers", peers[0].address, "--metrics-port", str(monitor_port),
+                            "--target-batch-size", "32", "--metrics-host", "127.0.0.1", name="monitor")
+        instances = [urllib.parse.urlsplit(peer.metrics_url).netloc for peer in peers]
         config = local_prometheus_config({"peer": instances, "monitor": [f"127.0.0.1:{monitor_port}"]})
         prometheus = Prometheus(prometheus_binary, config, workdir)
         wait_until(prometheus.ready, 60, message="prometheus /-/ready")
-        yield LiveSwarm(prometheus, instances, [a, b], monitor)
+        yield LiveSwarm(prometheus, instances, peers, monitor)
     finally:
         if prometheus is not None:
             prometheus.stop()
-        for process in started:
-            process.kill_everything()
+        asyncio.run(swarm.close())
 
 
 def grafana_to_promql(expr: str, instance: str) -> str:
@@ -480,14 +471,14 @@ def grafana_to_promql(expr: str, instance: str) -> str:
 
 
 def wait_for_data(swarm: LiveSwarm, queries: List[Tuple[str, str, str]], timeout: float,
-                  processes: List[PeerProcess]) -> List[str]:
+                  processes: List[Peer]) -> List[str]:
     """Poll until every query returns a series; returns those still empty at the deadline."""
     empty: List[str] = []
 
     def all_have_data() -> bool:
         for process in processes:
             if process.process.poll() is not None:  # no point waiting out the timeout
-                raise RuntimeError(f"{process.log_path.name} exited early:\n{swarm.logs()}")
+                raise RuntimeError(f"{process.name} exited early:\n{swarm.logs()}")
         empty[:] = [f"{board} / {panel}: {expr}" for board, panel, expr in queries
                     if not swarm.prometheus.query(grafana_to_promql(expr, swarm.instances[0]))]
         return not empty

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from peer.events import Exited, RoundEnded, StateDownloaded
-from peer.testing import Swarm, max_parameter_difference
-from tests.peers import FAST_SWARM_ARGS, load_model_state
+from peer.testing import Swarm, load_model_state, max_parameter_difference
+from tests.peers import FAST_SWARM_ARGS
 
 pytestmark = pytest.mark.integration
 
@@ -20,14 +20,16 @@ def read_summary(path: Path) -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_three_peers_train_in_lock_step(spawn, tmp_path: Path):
+async def test_three_peers_train_in_lock_step(tmp_path: Path):
+    """`peer swarm`, as a user runs it: three peers that train together and end with one set of weights."""
     epochs = 16
-    swarm = spawn(
-        "swarm", "swarm", "--peers", "3", *FAST_SWARM_ARGS,
-        "--min-peers", "3", "--target-batch-size", "48", "--max-epochs", str(epochs),
-        "--checkpoint-dir", str(tmp_path / "ckpt"), "--summary-dir", str(tmp_path / "summaries"),
-    )
-    assert swarm.wait(200) == 0, swarm.log()[-4000:]
+    async with Swarm(tmp_path) as harness:
+        swarm = harness.run(
+            "swarm", "--peers", "3", *FAST_SWARM_ARGS,
+            "--min-peers", "3", "--target-batch-size", "48", "--max-epochs", str(epochs),
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--summary-dir", str(tmp_path / "summaries"), name="swarm",
+        )
+        assert await swarm.exit_code(timeout=200) == 0, swarm.log_tail(4000)
 
     summaries = [read_summary(tmp_path / "summaries" / f"peer-{i}.json") for i in range(3)]
     for summary in summaries:

@@ -3,7 +3,6 @@ and forged progress records do not freeze anyone (one swarm for both, to keep th
 from __future__ import annotations
 
 import json
-import signal
 from pathlib import Path
 from typing import List
 
@@ -17,7 +16,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.keys import SwarmKeys
 from peer.events import EpochEnded
-from tests.peers import start_peer, wait_until
+from peer.testing import Peer, Swarm
 
 pytestmark = pytest.mark.integration
 
@@ -42,47 +41,47 @@ def forge_progress(address: str, epoch: int, samples: int) -> hivemind.DHT:
     return forger
 
 
-def peers_per_epoch(peer) -> List[int]:
-    return [event.peers for event in peer.events() if isinstance(event, EpochEnded)]
+def peers_per_epoch(peer: Peer) -> List[int]:
+    return [event.peers for event in peer.events if isinstance(event, EpochEnded)]
 
 
 @pytest.mark.timeout(300)
-def test_incompatible_peers_are_refused_and_forged_progress_freezes_nobody(spawn, tmp_path: Path):
-    first = start_peer(spawn, tmp_path, "a", "--target-batch-size", TARGET, "--max-seconds", "240")
-    address = first.join_address()
+async def test_incompatible_peers_are_refused_and_forged_progress_freezes_nobody(tmp_path: Path):
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", fast=True) as swarm:
+        first = await swarm.add("--target-batch-size", TARGET, "--max-seconds", "240", name="a")
 
-    # 1. the run manifest: each mismatched peer exits 2 naming the setting, before it can join a round
-    mismatched = {name: start_peer(spawn, tmp_path, name, "--initial-peers", address, *args)
-                  for name, (args, _) in MISMATCHED.items()}
-    for name, (_, expected) in MISMATCHED.items():
-        assert mismatched[name].wait(120) == 2, mismatched[name].log()[-3000:]
-        errors = [line for line in mismatched[name].log().splitlines() if line.startswith("error: ")]
-        assert errors[0].startswith("error: " + expected), errors
-        assert "use a new --run-id" in errors[-1]
-        assert "Traceback" not in mismatched[name].log()
-    # the training peer never counted them: every epoch so far had it alone in the swarm
-    wait_until(lambda: first.epoch() >= 2, 90, message="the first peer to train two epochs")
-    epochs = [event for event in first.events() if isinstance(event, EpochEnded)]
-    assert epochs and all(event.peers == 1 for event in epochs), epochs
-    epoch_after_refusals = first.epoch()
+        # 1. the run manifest: each mismatched peer exits 2 naming the setting, before it can join a round
+        mismatched = {name: await swarm.add(*args, name=name, ready=False) for name, (args, _) in MISMATCHED.items()}
+        for name, (_, expected) in MISMATCHED.items():
+            peer = mismatched[name]
+            assert (await peer.exited(timeout=120)).code == 2, peer.log_tail()
+            errors = [line for line in peer.log().splitlines() if line.startswith("error: ")]
+            assert errors[0].startswith("error: " + expected), errors
+            assert "use a new --run-id" in errors[-1]
+            assert "Traceback" not in peer.log()
+        # the training peer never counted them: every epoch so far had it alone in the swarm
+        await first.reach(2, timeout=90)
+        assert peers_per_epoch(first) and set(peers_per_epoch(first)) == {1}, first.events
+        epoch_after_refusals = first.epoch
 
-    # 2. forged progress: epoch 10^9, and 10^12 samples
-    forgers = [forge_progress(address, 10**9, 0), forge_progress(address, first.epoch(), 10**12)]
-    try:
-        epoch_at_forgery = first.epoch()
-        second = start_peer(spawn, tmp_path, "b", "--target-batch-size", TARGET, "--initial-peers", address,
-                            "--max-seconds", "200")
-        wait_until(lambda: second.epoch() >= epoch_at_forgery + 3 and 2 in peers_per_epoch(second), 120,
-                   message="the newcomer to train with the first peer, three epochs past the forgery")
-        assert first.epoch() >= epoch_at_forgery + 3 >= epoch_after_refusals + 3
-        for peer in (first, second):
-            peer.send(signal.SIGTERM)
-            assert peer.wait(60) == 0, peer.log()[-3000:]
-    finally:
-        for forger in forgers:
-            forger.shutdown()
+        # 2. forged progress: epoch 10^9, and 10^12 samples
+        forgers = [forge_progress(first.address, 10**9, 0), forge_progress(first.address, first.epoch, 10**12)]
+        try:
+            epoch_at_forgery = first.epoch
+            second = await swarm.add("--target-batch-size", TARGET, "--max-seconds", "200", name="b")
+            await second.wait_for(EpochEnded, lambda event: event.epoch >= epoch_at_forgery + 3 and event.peers == 2,
+                                  timeout=120, what="the newcomer to train with the first peer, three epochs past "
+                                                    "the forgery")
+            assert first.epoch >= epoch_at_forgery + 3 >= epoch_after_refusals + 3
+            for peer in (first, second):
+                peer.terminate()
+                assert await peer.exit_code(timeout=60) == 0, peer.log_tail()
+        finally:
+            for forger in forgers:
+                forger.shutdown()
 
     a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("a", "b"))
+    # the peer says why it believes none of it
     assert "not believing the progress records" in first.log() and "epoch 1000000000 claimed" in first.log()
     assert "1000000000000 samples claimed in one epoch" in first.log()
     # believed, the lie makes a peer download in a loop (~520 times in 80 s, mostly failing); a download or two
