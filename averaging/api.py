@@ -72,6 +72,9 @@ class AveragingHooks:
     before_round: Callable[[int], None] = lambda epoch: None
     """Called as this peer's averaging round at local `epoch` begins (sync, diloco); an exception it raises fails
     the round like any other failure. For fault injection in tests (peer/faults.py)."""
+    guards_gradients: Callable[[], bool] = lambda: True
+    """Whether a batch whose gradients hold NaN or Inf is dropped before it reaches the swarm (sync). Always, but
+    for fault injection in tests: a hostile peer that sends them on purpose."""
 
 
 @dataclass

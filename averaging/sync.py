@@ -137,7 +137,8 @@ class SyncOptimizer(hivemind.Optimizer):
 
     def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler) -> bool:
         """Upstream, but a batch with non-finite gradients is dropped: it never reaches the swarm."""
-        if not all_finite(param.grad for param in self.state_averager.main_parameters):
+        if self.rounds.hooks.guards_gradients() and not all_finite(
+                param.grad for param in self.state_averager.main_parameters):
             logger.warning("non-finite gradients in this batch: dropped, not accumulated or sent to peers")
             return False
         return super()._check_and_accumulate_gradients(batch_size, grad_scaler)

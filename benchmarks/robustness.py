@@ -6,8 +6,8 @@ fourth process that is either
 - ``none``: an honest bystander training the same task in *another* run: it costs the machine what an
   attacker costs, so that the ratio measures the protocol, not the CPU share of a fourth process;
 - ``nan``, ``scaled-1e4``, ``sign-flipped``: an attacker in the honest peers' run whose gradients are
-  NaN (sent past its own guard), multiplied by 1e4, or multiplied by -1 (tests/tasks_for_tests.py's
-  fault-injecting task).
+  NaN (sent past its own guard), multiplied by 1e4, or multiplied by -1 (`--inject-faults` with
+  peer/faults.py's HOSTILE_PEERS).
 
 The peers run under the asyncio harness (peer/testing.py); what they do is read from their events.
 Reported per run:
@@ -52,11 +52,10 @@ if __package__ in (None, ""):
 from benchmarks import common
 from benchmarks.scaling import epochs, peer_env, ready_time, stop_all
 from peer.events import PeerExcluded, Ready
+from peer.faults import HOSTILE_PEERS
 from peer.testing import Peer, PeerFailed, Swarm
 
 NAME = "robustness"
-MALICIOUS_TASK = "tests.tasks_for_tests:make_malicious_task"
-ATTACK_FACTORS = {"nan": "nan", "scaled-1e4": "1e4", "sign-flipped": "-1"}
 HONEST_PEERS = 3
 
 
@@ -68,8 +67,7 @@ async def start_swarm(swarm: Swarm, attack: str, run_id: str, start_timeout: flo
     if attack == "none":
         fourth = await swarm.add("--run-id", f"{run_id}-bystander", join=False, ready=False)
     else:
-        fourth = await swarm.add(*run, "--task", MALICIOUS_TASK, ready=False,
-                                 env={"ATTACK_FACTOR": ATTACK_FACTORS[attack]})
+        fourth = await swarm.add(*run, "--inject-faults", HOSTILE_PEERS[attack].model_dump_json(), ready=False)
     peers = [first, *honest, fourth]
     await asyncio.gather(*(peer.ready(start_timeout) for peer in peers[1:]))
     return peers
@@ -139,8 +137,8 @@ def main(argv=None) -> int:
         "target_batch_size": 48,
         "seconds_per_run": args.seconds or common.by_mode(mode, smoke=20.0, quick=60.0, full=150.0),
         "repeats": args.repeats or common.by_mode(mode, smoke=1, quick=1, full=2),
-        "attacks": common.by_mode(mode, smoke=["none", "scaled-1e4"], quick=["none", *ATTACK_FACTORS],
-                                  full=["none", *ATTACK_FACTORS]),
+        "attacks": common.by_mode(mode, smoke=["none", "scaled-1e4"], quick=["none", *HOSTILE_PEERS],
+                                  full=["none", *HOSTILE_PEERS]),
         "start_timeout_seconds": 120.0,
     }
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -13,7 +13,14 @@ points, so a test says what goes wrong and when, instead of patching private met
 - `stall_after_epoch` / `stall_seconds`: after reporting that global epoch, the loop stalls between two
   steps (a stop request ends the stall): past the averaging timeout, the peer misses the next round.
 
-Each fault happens once. Every injected fault is logged as a warning that says it was injected.
+Each of those happens once. Two more make this peer a hostile one, for all of its run:
+
+- `gradient_factor`: every gradient it computes is multiplied by this (1e4: far too large; -1:
+  sign-flipped, as large as an honest one and pointing the other way), and sent to the swarm;
+- `send_nan_gradients`: every gradient it computes is NaN, and sent past its own guard (which would
+  drop such a batch), as a broken or malicious peer's would be.
+
+Every injected fault is logged as a warning that says it was injected.
 """
 from __future__ import annotations
 
@@ -34,18 +41,29 @@ class FaultPlan(BaseModel):
     fail_round_at_epoch: Optional[int] = Field(default=None, ge=0)
     stall_after_epoch: Optional[int] = Field(default=None, ge=0)
     stall_seconds: float = Field(default=0.0, ge=0, le=3600)
+    gradient_factor: Optional[float] = None
+    send_nan_gradients: bool = False
 
 
-class _NaNGradient(torch.autograd.Function):
-    """The identity on the loss; its gradient is NaN."""
+HOSTILE_PEERS = {
+    "nan": FaultPlan(send_nan_gradients=True),
+    "scaled-1e4": FaultPlan(gradient_factor=1e4),
+    "sign-flipped": FaultPlan(gradient_factor=-1.0),
+}
+"""The attackers that the robustness test and benchmark send against honest peers, by name."""
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """The identity on the loss; its gradient is multiplied by `factor` (NaN: the gradients are NaN)."""
 
     @staticmethod
-    def forward(ctx, loss):
+    def forward(ctx, loss, factor: float):
+        ctx.factor = factor
         return loss.view_as(loss)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * float("nan")
+        return grad * ctx.factor, None
 
 
 class InjectedFault(RuntimeError):
@@ -62,15 +80,25 @@ class FaultInjector:
         self._round_failed = self._stalled = False
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss of the next local batch, NaN (or with NaN gradients) where the plan says so."""
+        """The loss of the next local batch, NaN (or with NaN or scaled gradients) where the plan says so."""
         self._batches += 1
         if self._batches in self.plan.nan_loss_at_steps:
             logger.warning(f"injected fault: the loss of local batch {self._batches} is NaN")
             return loss * float("nan")
-        if self._batches in self.plan.nan_gradients_at_steps:
-            logger.warning(f"injected fault: the gradients of local batch {self._batches} are NaN")
-            return _NaNGradient.apply(loss)
+        if self._batches in self.plan.nan_gradients_at_steps or self.plan.send_nan_gradients:
+            if not self.plan.send_nan_gradients or self._batches == 1:
+                logger.warning(f"injected fault: the gradients of local batch {self._batches} are NaN"
+                               + (", and every later batch's, sent unguarded" if self.plan.send_nan_gradients else ""))
+            return _ScaledGradient.apply(loss, float("nan"))
+        if self.plan.gradient_factor is not None:
+            if self._batches == 1:
+                logger.warning(f"injected fault: every gradient is multiplied by {self.plan.gradient_factor:g}")
+            return _ScaledGradient.apply(loss, self.plan.gradient_factor)
         return loss
+
+    def guards_gradients(self) -> bool:
+        """Whether the optimizer may drop this peer's non-finite gradients before they reach a round."""
+        return not self.plan.send_nan_gradients
 
     def before_round(self, epoch: int) -> None:
         """:raises InjectedFault: at the plan's epoch, once"""

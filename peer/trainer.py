@@ -104,9 +104,10 @@ class RoundTally:
         self.last_outcome: Optional[str] = None
 
     def hooks(self, timer: PhaseTimer, faults: Optional[FaultInjector] = None) -> AveragingHooks:
+        faults = faults or FaultInjector()
         return AveragingHooks(phase=timer.phase, round_finished=self.on_round, state_loaded=self.on_state_loaded,
                               contribution_dropped=self.on_dropped_contribution, peer_excluded=self.on_exclusion,
-                              before_round=(faults or FaultInjector()).before_round)
+                              before_round=faults.before_round, guards_gradients=faults.guards_gradients)
 
     def on_round(self, report: RoundReport) -> None:
         self.last_outcome = report.outcome

@@ -100,44 +100,6 @@ def make_diverging_task() -> Task:
     return dataclasses.replace(base, build_optimizer=lambda params: torch.optim.SGD(params, lr=1e30))
 
 
-class _ScaledGradient(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by `factor` (NaN poisons it)."""
-
-    @staticmethod
-    def forward(ctx, loss, factor: float):
-        ctx.factor = factor
-        return loss.view_as(loss)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
-def _send_unguarded_gradients() -> None:
-    """This process's optimizer sends its gradients as they are: without the guard that drops a batch whose
-    gradients hold NaN or Inf, as a malicious peer's would."""
-    import hivemind
-
-    from averaging.sync import SyncOptimizer
-
-    SyncOptimizer._check_and_accumulate_gradients = hivemind.Optimizer._check_and_accumulate_gradients
-
-
-def make_malicious_task() -> Task:
-    """bytelm-tiny on a peer that sends every gradient multiplied by ATTACK_FACTOR: 1e4 (finite, far too
-    large), -1 (sign-flipped: as large as an honest one, pointing the other way) or nan (sent unguarded)."""
-    import dataclasses
-
-    from peer.tasks import load_task
-
-    factor = float(os.environ.get("ATTACK_FACTOR", "-1"))
-    base = load_task("bytelm-tiny")
-    if factor != factor:
-        _send_unguarded_gradients()
-    return dataclasses.replace(base, loss_fn=lambda model, batch: _ScaledGradient.apply(base.loss_fn(model, batch),
-                                                                                         factor))
-
-
 class _ActOnPass(Dataset):
     """A validation set that runs actions[k] at the start of its pass number k (1 = the first)."""
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from peer.faults import FaultInjector, FaultPlan, InjectedFault
+from peer.faults import HOSTILE_PEERS, FaultInjector, FaultPlan, InjectedFault
 
 
 def test_without_a_plan_nothing_happens():
@@ -37,6 +37,29 @@ def test_the_gradients_of_the_planned_batches_are_nan_while_their_loss_is_finite
     assert torch.equal(weight.grad, torch.full((3,), 2.0))
 
 
+@pytest.mark.parametrize("attack, expected", [("scaled-1e4", 1e4), ("sign-flipped", -1.0)])
+def test_a_hostile_peer_scales_every_gradient_and_keeps_its_guard(attack, expected):
+    faults = FaultInjector(HOSTILE_PEERS[attack])
+    weight = torch.ones(3, requires_grad=True)
+    for step in (1.0, 2.0):
+        loss = faults.loss((weight * step).sum())
+        assert float(loss) == 3 * step  # the loss it reports is honest
+        weight.grad = None
+        loss.backward()
+        assert torch.equal(weight.grad, torch.full((3,), step * expected))
+    assert faults.guards_gradients()
+
+
+def test_a_nan_sender_poisons_every_gradient_and_has_no_guard():
+    faults, honest = FaultInjector(HOSTILE_PEERS["nan"]), FaultInjector()
+    assert not faults.guards_gradients() and honest.guards_gradients()
+    weight = torch.ones(3, requires_grad=True)
+    for _ in range(3):
+        weight.grad = None
+        faults.loss(weight.sum()).backward()
+        assert torch.isnan(weight.grad).all()
+
+
 def test_the_round_at_the_planned_epoch_fails_once():
     faults = FaultInjector(FaultPlan(fail_round_at_epoch=3))
     faults.before_round(2)
@@ -54,7 +77,8 @@ def test_the_stall_comes_after_the_planned_epoch_once_through_the_stop_aware_wai
 
 
 @pytest.mark.parametrize("plan", [{"stall_seconds": -1}, {"nan_loss_at_steps": [0]}, {"stall_seconds": "inf"},
-                                  {"fail_round_at_epoch": 1.5}, {"unknown": 1}])
+                                  {"fail_round_at_epoch": 1.5}, {"unknown": 1},
+                                  {"gradient_factor": "nan"}])
 def test_a_bad_plan_is_refused(plan):
     with pytest.raises(ValueError):
         FaultPlan.model_validate(plan)

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from peer.events import PeerExcluded
+from peer.faults import HOSTILE_PEERS
 from peer.testing import Swarm, max_parameter_difference, until
 
-MALICIOUS_TASK = "tests.tasks_for_tests:make_malicious_task"
 # A sign flip is told from an honest gradient only while honest gradients agree in direction: early in
 # training. Late, with single-batch noise, its cosine to the others' median nears 0 (as an honest one's does),
 # and it does little harm. So it goes first; NaN and x1e4 are caught at any stage.
-ATTACK_FACTORS = {"sign-flipped": "-1", "nan": "nan", "scaled-1e4": "1e4"}
+ATTACKS = ("sign-flipped", "nan", "scaled-1e4")  # peer/faults.py's HOSTILE_PEERS
 HONEST = ("a", "b", "c")
 CLOCK_AHEAD = re.compile(r"this peer's clock is at least (\d+)s ahead of the clocks of 3 other peer")
 EPOCHS = 120  # the three attacks take 30 to 90 epochs (under suite load), then the swarm trains on alone
@@ -47,9 +47,9 @@ async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on
         assert await ahead.exit_code(timeout=60) == 0, ahead.log_tail()
 
         attackers = {}
-        for attack, factor in ATTACK_FACTORS.items():
-            attacker = await swarm.add("--min-peers", "4", "--task", MALICIOUS_TASK, name=attack,
-                                       env={"ATTACK_FACTOR": factor})
+        for attack in ATTACKS:
+            attacker = await swarm.add("--min-peers", "4", "--inject-faults", HOSTILE_PEERS[attack].model_dump_json(),
+                                       name=attack)
             attacker_id = attackers[attack] = attacker.peer_id
 
             def of_attacker(event: PeerExcluded, peer_id: str = attacker_id) -> bool:
