@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.testing import Swarm, load_model_state, max_parameter_difference
+from peer.testing import FAST_ENV, Swarm, load_model_state, max_parameter_difference
 from tests.peers import FAST_SWARM_ARGS
 
 pytestmark = pytest.mark.integration
@@ -43,7 +43,7 @@ async def test_two_peers_learn_and_agree(tmp_path: Path, name: str):
     # delayed updates apply each averaged step one epoch late: give them a few more epochs to show learning
     epochs = 8 if name == "offload-delayed" else 4
     strategy = name if name in ("sync", "local-sgd", "powersgd", "diloco") else "sync"
-    async with Swarm(tmp_path) as harness:
+    async with Swarm(tmp_path, env=FAST_ENV) as harness:  # `peer swarm` passes it on
         swarm = harness.run(
             "swarm", "--peers", "2", *FAST_SWARM_ARGS, "--averaging", strategy, *STRATEGIES[name],
             "--min-peers", "2", "--target-batch-size", "64", "--max-epochs", str(epochs),

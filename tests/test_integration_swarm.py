@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from peer.events import Exited, RoundEnded, StateDownloaded
-from peer.testing import Swarm, load_model_state, max_parameter_difference
+from peer.testing import FAST_ENV, Swarm, load_model_state, max_parameter_difference
 from tests.peers import FAST_SWARM_ARGS
 
 pytestmark = pytest.mark.integration
@@ -23,7 +23,7 @@ def read_summary(path: Path) -> dict:
 async def test_three_peers_train_in_lock_step(tmp_path: Path):
     """`peer swarm`, as a user runs it: three peers that train together and end with one set of weights."""
     epochs = 16
-    async with Swarm(tmp_path) as harness:
+    async with Swarm(tmp_path, env=FAST_ENV) as harness:  # `peer swarm` passes it on
         swarm = harness.run(
             "swarm", "--peers", "3", *FAST_SWARM_ARGS,
             "--min-peers", "3", "--target-batch-size", "48", "--max-epochs", str(epochs),
