@@ -40,6 +40,7 @@ from peer.events import Event, Exited, Ready, latest_epoch, read_events
 POLL_SECONDS = 0.1
 KILL_WAIT_SECONDS = 10.0
 RECENT_OUTPUT_LINES = 200
+RELAY_DRAIN_SECONDS = 1.0  # a child that outlived the process may hold its output open: wait no longer
 PR_SET_PDEATHSIG = 1
 EVENT_WRITERS = ("start", "bootstrap")  # the commands that take --events
 FAST_ARGS = (
@@ -67,7 +68,7 @@ class PeerFailed(AssertionError):
 
 
 class Peer:
-    """One `peer start` (or `peer bootstrap`) process of a Swarm."""
+    """One `peer` process (`start`, `bootstrap`, or any other command) of a Swarm, or of `peer swarm`."""
 
     def __init__(self, name: str, command: str, args: Sequence[str], workdir: Path,
                  env: Optional[Dict[str, str]] = None, prefix: Sequence[str] = (), *, events: bool = True,
@@ -88,6 +89,7 @@ class Peer:
         self.output, self.die_with_parent = output, die_with_parent
         self.process: Optional[subprocess.Popen] = None
         self._recent_output: Deque[str] = deque(maxlen=RECENT_OUTPUT_LINES)  # when relayed: for failure messages
+        self._relay: Optional[threading.Thread] = None
         self._events: List[Event] = []  # this life's (since the last start)
         self._offset = self._events_size()  # a reused workdir: only what is appended from now on counts
 
@@ -109,8 +111,9 @@ class Peer:
                 self.process = subprocess.Popen(command, stdout=log, **options)
         else:
             self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1, **options)
-            threading.Thread(target=self._relay_output, args=(self.process,), name=f"{self.name}-output",
-                             daemon=True).start()
+            self._relay = threading.Thread(target=self._relay_output, args=(self.process,),
+                                           name=f"{self.name}-output", daemon=True)
+            self._relay.start()
         return self
 
     def _relay_output(self, process: subprocess.Popen) -> None:
@@ -169,6 +172,8 @@ class Peer:
             if time.monotonic() >= deadline:
                 raise PeerFailed(f"{self.name} still running after {timeout:.0f}s\n{self.log_tail()}")
             await asyncio.sleep(POLL_SECONDS)
+        if self._relay is not None:  # its last lines are relayed before its exit is told
+            self._relay.join(RELAY_DRAIN_SECONDS)
         return process.returncode
 
     async def restart(self, *args: str, timeout: float = 90.0) -> Ready:
