@@ -8,8 +8,8 @@ import pytest
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--soak-seconds", type=float, default=90.0,
-                     help="How long the churn soak kills and restarts peers (default: 90, as in CI).")
+    parser.addoption("--soak-seconds", type=float, default=60.0,
+                     help="How long the churn soak kills and restarts peers (default: 60, as in CI).")
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def soak_seconds(request) -> float:
 def pytest_collection_modifyitems(config, items: List[pytest.Item]) -> None:
     """Longest first: the soak, then the multi-peer swarms, then the rest.
 
-    The suite runs on three workers that steal work from each other (pyproject.toml), so a long
+    The suite runs on four workers that steal work from each other (pyproject.toml), so a long
     test started last would finish alone; started first, the short ones fill in around it.
     """
     def expected_length(item: pytest.Item) -> int:
