@@ -20,7 +20,7 @@ from dht.node import DHTStartError, clock_offset_from, shutdown_dht, start_dht, 
 from dht.records import record_validators
 from peer.config import load_config
 from peer.testing import session_processes
-from tests.peers import REPO_ROOT
+from tests.peers import REPO_ROOT, wait_until
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 FAST = dict(host_maddrs=LOCAL, startup_timeout_seconds=20.0)
@@ -104,7 +104,8 @@ def test_unreachable_initial_peer_is_retried_then_one_line_error(tmp_path: Path)
     assert "\n" not in message
     assert "after 3 attempts" in message and address in message and "last error: " in message
     assert error.value.__cause__ is not None
-    assert set(session_p2pds()) <= p2pds_before, "a failed attempt left a p2pd behind"
+    # each failed attempt's p2pd is stopped; on a loaded machine it may take a moment to be gone
+    wait_until(lambda: set(session_p2pds()) <= p2pds_before, 15, message="no p2pd of a failed attempt to remain")
 
 
 @pytest.mark.timeout(90)
