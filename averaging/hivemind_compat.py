@@ -20,12 +20,7 @@ averager processes inherit the patched classes at fork:
   progress records that filter believes;
 - robust aggregation and exclusion: an averager built with a Defence (averaging/robust_allreduce.py)
   reduces with a RobustPartReducer and refuses excluded peers in matchmaking, all-reduce and state
-  sharing. An averager built without one behaves as upstream;
-- failed reducers of gradients: where a peer's part of a round never arrives (its reducer was too slow
-  or died), upstream keeps this peer's own values for it, so the peers of a round that counts as a
-  success apply different gradients and drift apart for good (6.4e-4 and 1.1e-4 apart after 16 epochs in
-  the 3-peer test, where a slow peer's part reached neither of the others). For averagers of gradients
-  (all but the state averagers) the part is zero instead: what every peer that missed it applies alike.
+  sharing. An averager built without one behaves as upstream.
 """
 from __future__ import annotations
 
@@ -47,9 +42,7 @@ from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
-from hivemind.averaging.partition import TensorPartContainer
 from hivemind.optim.progress_tracker import ProgressTracker
-from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
@@ -87,8 +80,6 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_AVERAGER}.rpc_download_state": ("fd2f6f19e7d247af", "averaging/hivemind_compat.py"),
     f"{_AVERAGER}._load_state_from_peers": ("fe7b419d01ced5fe", "averaging/hivemind_compat.py"),
     f"{_MATCHMAKING}._request_join_group": ("df823040a94d1c1d", "averaging/hivemind_compat.py"),
-    "hivemind.averaging.partition.TensorPartContainer.register_failed_reducer":
-        ("89b41b9d7f225968", "averaging/hivemind_compat.py"),
     # subclassed by averaging/robust_allreduce.py
     f"{_REDUCER}.__init__": ("9ebe1038f511931b", "averaging/robust_allreduce.py"),
     f"{_REDUCER}.accumulate_part": ("1d64a8bd77052ac4", "averaging/robust_allreduce.py"),
@@ -327,8 +318,6 @@ async def _run_allreduce_inplace_robustly(self: DecentralizedAverager, tensors, 
         p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
         ordered_peer_ids=group_info.peer_ids, **extra, **kwargs,
     )
-    if not isinstance(self, TrainingStateAverager):  # gradients (sync) or DiLoCo's pseudo-gradients
-        zero_the_parts_of_failed_reducers(runner.tensor_part_container)
     assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
     self._running_groups[group_id].set_result(runner)
     if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
@@ -339,23 +328,6 @@ async def _run_allreduce_inplace_robustly(self: DecentralizedAverager, tensors, 
     else:
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")
-
-
-def zero_the_parts_of_failed_reducers(container: TensorPartContainer) -> None:
-    """Make a reducer that failed leave its parts of the result at zero, not at this peer's own values.
-
-    A reducer that fails (too slow, or gone) usually fails for every peer of the group: with zeros, they all
-    apply the same gradient for those parts; with their own values (upstream), each applies a different one.
-    The container works in deltas to this peer's tensors, so the delta to zero is minus its own part."""
-    def register_failed_reducer(peer_index: int) -> None:
-        for part_index in range(container._outputs_registered_by_peer[peer_index],
-                                container.num_parts_by_peer[peer_index]):
-            own_part = container._input_parts_by_peer[peer_index][part_index][0]
-            zero = -own_part if container.return_deltas else torch.zeros_like(own_part)
-            container.register_processed_part(peer_index, part_index, zero)
-            container.failed_size += own_part.numel()
-
-    container.register_failed_reducer = register_failed_reducer
 
 
 async def _rpc_join_group_refusing_excluded(

@@ -2,23 +2,19 @@
 copy or override fails with the list of places to re-read."""
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 
 import hivemind
 import pytest
-import torch
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression.quantization import Quantization
 from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from averaging import hivemind_compat
 from averaging.diloco import DiLoCoOptimizer
-from averaging.hivemind_compat import zero_the_parts_of_failed_reducers
 from averaging.state import GuardedStateAverager, ReportingStateAverager
 from averaging.sync import SyncOptimizer
 
@@ -99,33 +95,3 @@ def test_diloco_mimics_upstreams_resync_rule_which_is_fingerprinted():
     assert "_should_load_state_from_peers" in vars(DiLoCoOptimizer)
     assert "hivemind.optim.optimizer.Optimizer._should_load_state_from_peers" in hivemind_compat.UPSTREAM
     assert inspect.getsource(Optimizer._should_load_state_from_peers)
-
-
-def _container_after_a_failed_reducer(zero_failed_parts: bool):
-    """Three peers split one gradient; peers 0 and 1 deliver their averaged parts, peer 2's reducer fails."""
-    local = torch.arange(1.0, 13.0)
-    container = TensorPartContainer([local], peer_fractions=[1, 1, 1], part_size_bytes=16)
-    if zero_failed_parts:
-        zero_the_parts_of_failed_reducers(container)
-    for peer_index in (0, 1):
-        for part_index, (part, _) in enumerate(list(container._input_parts_by_peer[peer_index])):
-            container.register_processed_part(peer_index, part_index, torch.full_like(part, 100.0) - part)
-    container.register_failed_reducer(2)
-
-    async def outputs():
-        return [delta async for delta in container.iterate_output_tensors()]
-
-    [delta] = asyncio.run(outputs())
-    return local, local + delta, container
-
-
-def test_a_failed_reducers_part_of_a_gradient_is_zero_not_this_peers_own():
-    local, result, container = _container_after_a_failed_reducer(zero_failed_parts=True)
-    assert torch.equal(result[:8], torch.full((8,), 100.0))  # the parts that arrived: the average
-    assert torch.equal(result[8:], torch.zeros(4))  # peer 2's part: zero, as every peer that missed it has
-    assert container.failed_size == 4
-
-
-def test_upstream_keeps_this_peers_own_values_for_a_failed_reducers_part():
-    local, result, _ = _container_after_a_failed_reducer(zero_failed_parts=False)
-    assert torch.equal(result[8:], local[8:])  # each peer its own: why the patch exists
