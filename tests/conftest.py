@@ -20,7 +20,7 @@ def soak_seconds(request) -> float:
 def pytest_collection_modifyitems(config, items: List[pytest.Item]) -> None:
     """Longest first: the soak, then the multi-peer swarms, then the rest.
 
-    The suite runs on three workers that steal work from each other (pyproject.toml), so a long
+    The suite runs on two workers that steal work from each other (pyproject.toml), so a long
     test started last would finish alone; started first, the short ones fill in around it.
     """
     def expected_length(item: pytest.Item) -> int:
