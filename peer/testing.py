@@ -45,7 +45,8 @@ PR_SET_PDEATHSIG = 1
 EVENT_WRITERS = ("start", "bootstrap")  # the commands that take --events
 FAST_ARGS = (
     "--matchmaking-seconds", "1",
-    "--averaging-timeout-seconds", "10",
+    "--averaging-timeout-seconds", "20",  # a quarter per chunk: with 10, a peer slowed by a loaded machine delivered
+    # its part of a round too late, and the others kept their own values for it and drifted apart
     "--data-workers", "1",
     "--val-batches", "4",
 )
