@@ -50,7 +50,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import common
-from benchmarks.scaling import epochs, peer_env, ready_time, stop_all
+from benchmarks.scaling import epochs, ready_time, stop_all
 from peer.events import PeerExcluded, Ready
 from peer.faults import HOSTILE_PEERS
 from peer.testing import Peer, PeerFailed, Swarm
@@ -92,7 +92,7 @@ def median(values) -> Optional[float]:
 
 async def measure(run: common.Run, attack: str, repeat: int, settings: dict, base: List[str], root: Path) -> dict:
     row = {"attack": attack, "repeat": repeat}
-    async with Swarm(root / f"{attack}-r{repeat}", *base, env=peer_env()) as swarm:
+    async with Swarm(root / f"{attack}-r{repeat}", *base) as swarm:
         try:
             peers = await start_swarm(swarm, attack, f"bench-robust-{os.getpid()}-{attack}-{repeat}",
                                       settings["start_timeout_seconds"])

@@ -74,12 +74,6 @@ HIDING_RUNS = {
 }
 
 
-def peer_env() -> Dict[str, str]:
-    """What every benchmark peer needs on top of the harness's environment: our packages importable (the
-    fault-injecting test tasks live in tests/) from any working directory."""
-    return {"PYTHONPATH": common.child_env()["PYTHONPATH"]}
-
-
 async def stop_all(peers: Sequence[Peer]) -> List[Optional[int]]:
     """Ask every peer to stop at once (so none waits for another): SIGTERM, a grace period, then SIGKILL."""
     return list(await asyncio.gather(*(peer.stop(STOP_GRACE_SECONDS) for peer in peers)))
@@ -121,7 +115,7 @@ async def scaling_run(run: common.Run, peers: int, repeat: int, settings: dict, 
                                     settings["pinning"] == "taskset")
     label = f"scaling-n{peers}-r{repeat}"
     row = {"peers": peers, "repeat": repeat, "cpu_sets": plan, "oversubscribed": oversubscribed, "reached": False}
-    async with Swarm(work / label, *base, env=peer_env()) as swarm:
+    async with Swarm(work / label, *base) as swarm:
         try:
             launched = time.time()
             started = await launch(swarm, peers, ["--target-batch-size", str(settings["target_batch_size"])], plan,
@@ -163,7 +157,7 @@ async def hiding_run(run: common.Run, name: str, settings: dict, base: List[str]
     label = f"hiding-{name}-r{repeat}"
     row = {"name": name, "peers": peers, "flags": flags, "repeat": repeat, "cpu_sets": plan,
            "oversubscribed": oversubscribed}
-    async with Swarm(work / label, *base, env=peer_env()) as swarm:
+    async with Swarm(work / label, *base) as swarm:
         try:
             await launch(swarm, peers, [*flags, "--target-batch-size", str(settings["hiding_target_batch_size"])],
                          plan, settings["cores_per_peer"], settings["start_timeout_seconds"])

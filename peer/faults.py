@@ -78,6 +78,10 @@ class FaultInjector:
         self.wait = wait  # a stop-aware sleep: a stop request ends a stall
         self._batches = 0
         self._round_failed = self._stalled = False
+        # a hostile peer's factor on every gradient (NaN: sent past its own guard)
+        self._hostile_factor = float("nan") if self.plan.send_nan_gradients else self.plan.gradient_factor
+        if self._hostile_factor is not None:
+            logger.warning(f"injected fault: every gradient this peer sends is multiplied by {self._hostile_factor:g}")
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss of the next local batch, NaN (or with NaN or scaled gradients) where the plan says so."""
@@ -85,15 +89,11 @@ class FaultInjector:
         if self._batches in self.plan.nan_loss_at_steps:
             logger.warning(f"injected fault: the loss of local batch {self._batches} is NaN")
             return loss * float("nan")
-        if self._batches in self.plan.nan_gradients_at_steps or self.plan.send_nan_gradients:
-            if not self.plan.send_nan_gradients or self._batches == 1:
-                logger.warning(f"injected fault: the gradients of local batch {self._batches} are NaN"
-                               + (", and every later batch's, sent unguarded" if self.plan.send_nan_gradients else ""))
+        if self._batches in self.plan.nan_gradients_at_steps:
+            logger.warning(f"injected fault: the gradients of local batch {self._batches} are NaN")
             return _ScaledGradient.apply(loss, float("nan"))
-        if self.plan.gradient_factor is not None:
-            if self._batches == 1:
-                logger.warning(f"injected fault: every gradient is multiplied by {self.plan.gradient_factor:g}")
-            return _ScaledGradient.apply(loss, self.plan.gradient_factor)
+        if self._hostile_factor is not None:
+            return _ScaledGradient.apply(loss, self._hostile_factor)
         return loss
 
     def guards_gradients(self) -> bool:
