@@ -19,7 +19,11 @@ import torch
 from averaging.deadlines import Deadlines
 from dht.keys import SwarmKeys
 
-OUTCOMES = ("ok", "failed", "timeout", "skipped")
+OUTCOMES = ("ok", "partial", "failed", "timeout", "skipped")
+APART = ("partial", "failed", "timeout")
+"""Outcomes after which this peer may hold a different state from peers that averaged without it: a partial
+round kept this peer's own values where a part of the average never arrived (averaging/completeness.py);
+a failed or timed-out one applied only this peer's own update."""
 
 
 @dataclass(frozen=True)

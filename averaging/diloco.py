@@ -20,8 +20,8 @@ toward the target (so the swarm can never stall on it) but no longer updates its
 State lives in a hivemind TrainingStateAverager that owns the inner optimizer and the LR
 scheduler and carries the round-start params and the outer momentum as extra tensors, so
 load_state_from_peers brings params + outer momentum + inner optimizer state + epoch. A peer
-whose round failed while others exist downloads the swarm's state before its next step, so
-one lost round does not leave it apart for good.
+whose round was partial or failed while others exist downloads the state of a peer whose round
+was whole (averaging/rounds.py), so one lost round does not leave it apart for good.
 
 It implements the SwarmOptimizer Protocol (averaging/api.py) on hivemind's public pieces
 (DecentralizedAverager, ProgressTracker) and the guarded state averager (averaging/state.py). This
@@ -38,12 +38,12 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 
-from averaging import progress
+from averaging import completeness, progress
 from averaging.api import Replica, RoundReport, SwarmView
 from averaging.compression import make_codec
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
-from averaging.donor import offer_state
+from averaging.donor import declare_apart, donor_ahead, offer_state
 from averaging.guards import all_finite
 from averaging.rounds import RoundKeeper, set_matchmaking_window
 from averaging.state import GuardedStateAverager
@@ -261,7 +261,9 @@ class DiLoCoOptimizer:
             self._update_scheduler()
             self._start_next_round()
         # others may have averaged without us: then take their state
-        self.rounds.finish_round(report, left_behind=self.tracker.global_progress.num_peers > 1)
+        self.rounds.finish_round(report, others_present=self.tracker.global_progress.num_peers > 1)
+        if self.rounds.apart:
+            declare_apart((self.state_averager,), self.local_epoch)
         retuned = self.rounds.retune(self.swarm_view())
         if retuned is not None:
             self._apply_deadlines(retuned)
@@ -286,7 +288,10 @@ class DiLoCoOptimizer:
                 logger.warning("the averaged pseudo-gradients hold NaN or Inf; using this peer's own")
                 report = RoundReport("failed", time.monotonic() - started, len(gathered), "non-finite result")
                 return report, pseudo_grads
-            return RoundReport("ok", time.monotonic() - started, len(gathered)), averaged
+            report = completeness.round_report(self.grad_averager, time.monotonic() - started, len(gathered))
+            if report.outcome == "partial":  # still nearer the swarm's than this peer's own
+                logger.warning(f"outer averaging round partial ({report.reason})")
+            return report, averaged
         except BaseException as e:  # hivemind raises many kinds; all of them mean "use the local delta"
             if control is not None and not control.done():
                 control.cancel()
@@ -297,15 +302,18 @@ class DiLoCoOptimizer:
     # --- helpers -------------------------------------------------------------------------------
 
     def _should_load_state_from_peers(self) -> bool:
-        """Upstream hivemind.Optimizer's rule, plus a resync after a failed round."""
+        """Upstream hivemind.Optimizer's rule, plus a resync after a round that left this peer apart."""
         if not self.rounds.download_allowed():
             return False
-        if self.rounds.take_resync():
+        if self.rounds.take_resync(self._donor_ahead):
             return True
         if self._check_sync_on_next_step and self.tracker.fetched_global_progress_this_epoch.is_set():
             self._check_sync_on_next_step = False
             return self.local_epoch != self.tracker.global_epoch
         return self.local_epoch < self.tracker.global_epoch - 1
+
+    def _donor_ahead(self) -> bool:
+        return donor_ahead(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
 
     def _start_next_round(self) -> None:
         """Reset the round's counters and tell the swarm (caller holds tracker.pause_updates())."""

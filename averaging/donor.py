@@ -1,23 +1,40 @@
-"""Offering this peer's state as the swarm's final state.
+"""How this peer ranks as a state donor.
 
 hivemind's state download tries donors in order of their declared priority (a float, normally the
-donor's epoch; ties are broken at random). At the end of a run, peers at the same epoch may hold
-different states: one whose last round failed applied only its own gradients. Raising the priority
-by DONOR_BONUS ranks a peer whose state is the swarm's above those, at the same epoch, and still
-below any peer that is an epoch ahead.
+donor's epoch; ties are broken at random). Peers at the same epoch may hold different states: one
+whose round was partial or failed applied (partly) its own update.
+- Apart: such a peer declares its epoch minus APART_PENALTY until it has downloaded, so that it
+  ranks below every peer at its epoch whose round was whole (averaging/rounds.py), and it waits for
+  a donor that declares its epoch or later (`donor_ahead`).
+- The final state: at the end of a run, raising the priority by DONOR_BONUS ranks a peer whose
+  state is the swarm's above the others at the same epoch, and still below any peer an epoch ahead.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable
+from typing import Collection, Iterable, Optional
 
 from hivemind.averaging import DecentralizedAverager
 
 logger = logging.getLogger(__name__)
 
 DONOR_BONUS = 0.5
+APART_PENALTY = 0.5
 VISIBLE_WITHIN_SECONDS = 5.0
+
+
+def declare_apart(averagers: Iterable[Optional[DecentralizedAverager]], epoch: int) -> None:
+    """Rank this peer below the others at `epoch` until its next download (which declares its epoch again)."""
+    for averager in _sharing(averagers):
+        averager.state_sharing_priority = epoch - APART_PENALTY
+
+
+def donor_ahead(averager: DecentralizedAverager, epoch: int, excluded: Collection[bytes] = ()) -> bool:
+    """Whether a peer other than this one (and not excluded) declares a state at `epoch` or later."""
+    me = averager.peer_id.to_bytes()
+    return any(owner != me and owner not in excluded and priority >= epoch
+               for owner, priority in _declared_priorities(averager).items())
 
 
 def offer_state(averagers: Iterable[DecentralizedAverager], epoch: int,
@@ -25,8 +42,7 @@ def offer_state(averagers: Iterable[DecentralizedAverager], epoch: int,
     """Declare `epoch + DONOR_BONUS` for each averager that shares state, and wait until the DHT shows it,
     so that a peer told to download next picks this one. False if none shares state (client mode) or
     the offer is not visible in time: then this peer must not tell others to download from it."""
-    sharing = [averager for averager in averagers
-               if averager is not None and not averager.client_mode and averager.allow_state_sharing]
+    sharing = _sharing(averagers)
     priority = epoch + DONOR_BONUS
     for averager in sharing:
         averager.state_sharing_priority = priority
@@ -42,8 +58,20 @@ def offer_state(averagers: Iterable[DecentralizedAverager], epoch: int,
     return bool(sharing) and not pending
 
 
-def _declared_priority(averager: DecentralizedAverager):
+def _sharing(averagers: Iterable[Optional[DecentralizedAverager]]) -> list:
+    return [averager for averager in averagers
+            if averager is not None and not averager.client_mode and averager.allow_state_sharing]
+
+
+def _declared_priorities(averager: DecentralizedAverager) -> dict:
+    """Owner (peer id bytes) -> the priority it declares, for every well-formed declaration in the DHT."""
     found = averager.dht.get(f"{averager.prefix}.all_averagers", latest=True)
     if found is None or not isinstance(found.value, dict):
-        return None
-    return getattr(found.value.get(averager.peer_id.to_bytes()), "value", None)
+        return {}
+    declared = {owner: getattr(entry, "value", None) for owner, entry in found.value.items()}
+    return {owner: float(priority) for owner, priority in declared.items()
+            if isinstance(priority, (int, float)) and not isinstance(priority, bool)}
+
+
+def _declared_priority(averager: DecentralizedAverager):
+    return _declared_priorities(averager).get(averager.peer_id.to_bytes())

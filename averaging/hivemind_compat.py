@@ -20,7 +20,9 @@ averager processes inherit the patched classes at fork:
   progress records that filter believes;
 - robust aggregation and exclusion: an averager built with a Defence (averaging/robust_allreduce.py)
   reduces with a RobustPartReducer and refuses excluded peers in matchmaking, all-reduce and state
-  sharing. An averager built without one behaves as upstream.
+  sharing. An averager built without one behaves as upstream;
+- completeness: each all-reduce records the share of the average that never reached this peer, which
+  upstream only logs (averaging/completeness.py).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
-from averaging import robust_allreduce
+from averaging import completeness, robust_allreduce
 
 logger = logging.getLogger(__name__)
 
@@ -293,8 +295,10 @@ _plain_request_join_group = Matchmaking._request_join_group
 _plain_get_stub = DecentralizedAverager.get_stub
 
 
-def _run_in_background_with_defence(self: DecentralizedAverager, *args, **kwargs):
-    robust_allreduce.carry_defence(self)  # before the fork: the averager's process inherits it
+def _run_in_background_prepared(self: DecentralizedAverager, *args, **kwargs):
+    # before the fork: the averager's process inherits both
+    robust_allreduce.carry_defence(self)
+    completeness.attach(self)
     return _plain_run_in_background(self, *args, **kwargs)
 
 
@@ -303,12 +307,14 @@ def _run_with_defence(self: DecentralizedAverager):
     return _plain_run(self)
 
 
-async def _run_allreduce_inplace_robustly(self: DecentralizedAverager, tensors, group_info: GroupInfo,
+async def _run_allreduce_inplace_recorded(self: DecentralizedAverager, tensors, group_info: GroupInfo,
                                           group_id=None, **kwargs):
     # upstream's DecentralizedAverager._run_allreduce_inplace_, with a RobustAllReduceRunner when this
-    # averager carries a Defence. A group that a leader unaware of an exclusion formed with an excluded peer
-    # is not left: this peer's reducers drop what it sends, and a peer that has not excluded it yet gets to
-    # judge it (leaving such groups split the swarm: the unaware peer averaged with the attacker alone).
+    # averager carries a Defence, and the share of the average that never arrived recorded for the
+    # training process (averaging/completeness.py). A group that a leader unaware of an exclusion formed
+    # with an excluded peer is not left: this peer's reducers drop what it sends, and a peer that has not
+    # excluded it yet gets to judge it (leaving such groups split the swarm: the unaware peer averaged
+    # with the attacker alone).
     defence = robust_allreduce.active
     group_id = group_info.group_id if group_id is None else group_id
     runner_class, extra = AllReduceRunner, {}
@@ -325,6 +331,8 @@ async def _run_allreduce_inplace_robustly(self: DecentralizedAverager, tensors, 
             tensor.add_(update, alpha=self._averaging_alpha)
             self.last_updated = get_dht_time()
             self._state_updated.set()
+        container = runner.tensor_part_container
+        completeness.record(self, group_info.group_id, container.failed_size, container.total_size)
     else:
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")
@@ -383,9 +391,9 @@ _PATCHES: Dict[str, Callable] = {
     f"{_AVERAGER}._declare_for_download_periodically": _paced_declare_for_download_periodically,
     f"{_AVERAGER}.step": _recorded_step,
     f"{_TRACKER}._parse_swarm_progress_data": _filtered_parse,
-    f"{_AVERAGER}.run_in_background": _run_in_background_with_defence,
+    f"{_AVERAGER}.run_in_background": _run_in_background_prepared,
     f"{_AVERAGER}.run": _run_with_defence,
-    f"{_AVERAGER}._run_allreduce_inplace_": _run_allreduce_inplace_robustly,
+    f"{_AVERAGER}._run_allreduce_inplace_": _run_allreduce_inplace_recorded,
     f"{_AVERAGER}.rpc_join_group": _rpc_join_group_refusing_excluded,
     f"{_AVERAGER}.rpc_download_state": _rpc_download_state_refusing_excluded,
     f"{_AVERAGER}.get_stub": _get_stub_without_excluded_donors,

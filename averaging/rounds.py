@@ -3,8 +3,12 @@
 - Phases: a blocking round or download is timed as a phase, but only on the training thread
   (delayed averaging runs in hivemind's background threads and must not count as blocking).
 - Outcomes: every round ends in one RoundReport, fed to the adaptive deadlines and the hooks.
-- Resync: a round that failed or timed out while the swarm went on without this peer leaves it
-  apart; it then downloads the swarm's state before its next step instead of drifting.
+- Resync: a round that was partial, failed or timed out while other peers averaged leaves this peer
+  apart (gradient and pseudo-gradient averaging never bring it back). It declares itself a worse
+  donor than its epoch (averaging/donor.py) and downloads the state of a peer that declares its
+  epoch or later, which only a peer whose round was whole does. If no such peer shows up within an
+  averaging timeout, every peer's round went wrong alike: it stays on its own state rather than
+  trading states at random with peers as far apart as itself.
 - Deadlines: with 'auto', they are chosen again after every epoch from the swarm's rate.
 - Exclusion: the watch that turns reducers' verdicts into excluded peers runs as long as the rounds.
 - State downloads: a bounded number of attempts instead of hivemind's `while True`, and after a
@@ -20,7 +24,7 @@ import time
 from contextlib import nullcontext
 from typing import Callable, ContextManager, Iterable, Optional
 
-from averaging.api import AveragingHooks, RoundReport, SwarmView
+from averaging.api import APART, AveragingHooks, RoundReport, SwarmView
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.exclusion import ExclusionWatch
 
@@ -28,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 LOAD_STATE_ATTEMPTS = 3
 DOWNLOAD_BACKOFF_SECONDS = (2.0, 60.0)
+DONOR_CHECK_SECONDS = 0.5  # a pending resync reads the DHT's donors at most this often
 
 
 class RoundKeeper:
@@ -40,7 +45,8 @@ class RoundKeeper:
         self.hooks, self.deadlines, self.load_state_attempts = hooks, deadlines, load_state_attempts
         self.exclusion = exclusion
         self._training_thread = threading.current_thread()
-        self._resync_requested = False
+        self._apart_since: Optional[float] = None
+        self._next_donor_check = float("-inf")
         self._failed_downloads, self._next_download_at = 0, float("-inf")
         self.clock = time.monotonic
 
@@ -60,17 +66,35 @@ class RoundKeeper:
             return self.hooks.phase(name)
         return nullcontext()
 
-    def finish_round(self, report: RoundReport, left_behind: bool) -> None:
-        """Record a round's outcome; `left_behind`: whether the swarm may have moved on without this peer."""
-        if report.outcome in ("failed", "timeout") and left_behind:
-            self._resync_requested = True
+    def finish_round(self, report: RoundReport, others_present: bool) -> None:
+        """Record a round's outcome; `others_present`: whether other peers may have averaged without this one."""
+        if report.outcome in APART and others_present:
+            self._apart_since = self.clock()
+            self._next_donor_check = float("-inf")
         self.deadlines.observe_round(report.outcome, report.seconds)
         self.hooks.round_finished(report)
 
-    def take_resync(self) -> bool:
-        """Whether a resync is due (once: asking clears it)."""
-        due, self._resync_requested = self._resync_requested, False
-        return due
+    @property
+    def apart(self) -> bool:
+        """Whether this peer's state may differ from the swarm's until it downloads (a resync is pending)."""
+        return self._apart_since is not None
+
+    def take_resync(self, donor_ahead: Callable[[], bool]) -> bool:
+        """Whether to download the swarm's state now (once: a True clears the pending resync).
+
+        `donor_ahead`: whether another peer offers a state at this peer's epoch or later.
+        """
+        if self._apart_since is None or self.clock() < self._next_donor_check:
+            return False
+        if donor_ahead():
+            self._apart_since = None
+            return True
+        self._next_donor_check = self.clock() + DONOR_CHECK_SECONDS
+        if self.clock() - self._apart_since > self.deadlines.current.averaging_timeout_seconds:
+            logger.warning("no peer offers a state from a whole averaging round: "
+                           "this peer goes on with its own state")
+            self._apart_since = None
+        return False
 
     def retune(self, view: SwarmView) -> Optional[Deadlines]:
         """After an epoch, with 'auto' deadlines: the new deadlines from the swarm's rate (None when fixed)."""

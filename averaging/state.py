@@ -16,6 +16,7 @@ import hivemind
 import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 
+from averaging import completeness
 from averaging.api import AveragingHooks, RoundReport
 from averaging.guards import all_finite
 
@@ -101,7 +102,8 @@ class ReportingStateAverager(GuardedStateAverager):
                     set_to_none, timeout=timeout)
         try:
             gathered = averaging_control.result(timeout=0)
-            report = RoundReport("ok", time.monotonic() - started, len(gathered))
+            # a partial parameter average is healed by the next whole round; the last one, by the end of run
+            report = completeness.round_report(self, time.monotonic() - started, len(gathered))
         except TimeoutError as e:
             report = RoundReport("timeout", time.monotonic() - started, 1, repr(e))
         except BaseException as e:

@@ -3,9 +3,11 @@
 What it adds to hivemind's optimizer:
 - the SwarmOptimizer Protocol (averaging/api.py), so the training loop never reads hivemind's
   tracker or averagers;
-- every averaging round reports an outcome (ok, failed, timeout, skipped), its duration and group
-  size, and its blocking time is timed as the `averaging` phase; downloading state is timed as
+- every averaging round reports an outcome (ok, partial, failed, timeout, skipped), its duration and
+  group size, and its blocking time is timed as the `averaging` phase; downloading state is timed as
   `state_sync` (averaging/rounds.py);
+- after a round that left this peer apart from the others (partial, failed, timed out), it downloads
+  the state of a peer whose round was whole (averaging/rounds.py, averaging/donor.py);
 - a batch with non-finite gradients never reaches the swarm, and an averaged result holding
   NaN/Inf is never applied;
 - `load_state_from_peers` gives up after a bounded number of attempts instead of retrying forever;
@@ -26,10 +28,10 @@ import hivemind
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
-from averaging import progress
+from averaging import completeness, progress
 from averaging.api import RoundReport, SwarmView
 from averaging.deadlines import Deadlines
-from averaging.donor import offer_state
+from averaging.donor import declare_apart, donor_ahead, offer_state
 from averaging.guards import all_finite
 from averaging.rounds import RoundKeeper, set_matchmaking_window
 from averaging.state import GuardedStateAverager, ReportingStateAverager
@@ -130,7 +132,9 @@ class SyncOptimizer(hivemind.Optimizer):
         )
 
     def _update_global_epoch(self, grad_scaler) -> None:
-        super()._update_global_epoch(grad_scaler)
+        super()._update_global_epoch(grad_scaler)  # which declares this peer's new epoch as its donor priority
+        if self.rounds.apart:
+            declare_apart((self.state_averager, self.grad_averager), self.local_epoch)
         retuned = self.rounds.retune(self.swarm_view())
         if retuned is not None:
             self._apply_deadlines(retuned)
@@ -161,9 +165,10 @@ class SyncOptimizer(hivemind.Optimizer):
                     group_info = maybe_step_control.result(self.averaging_timeout)
                     with self.grad_averager.get_tensors() as averaged:
                         finite = all_finite(averaged)
-                    if finite:
+                    if finite:  # a partial average is still nearer the swarm's than this peer's own gradients
                         self._load_averaged_gradients_into_optimizer_()
-                        report = RoundReport("ok", time.monotonic() - started, len(group_info))
+                        report = completeness.round_report(self.grad_averager, time.monotonic() - started,
+                                                           len(group_info))
                     else:  # a peer sent NaN/Inf: never apply it
                         report = RoundReport("failed", time.monotonic() - started, len(group_info),
                                              "the averaged gradients hold NaN or Inf")
@@ -171,17 +176,19 @@ class SyncOptimizer(hivemind.Optimizer):
                     report = RoundReport("timeout", time.monotonic() - started, 1, repr(e))
                 except BaseException as e:  # hivemind raises many kinds; any of them means "use local grads"
                     report = RoundReport("failed", time.monotonic() - started, 1, repr(e))
-            if report.outcome != "ok":
+            if report.outcome == "partial":
+                logger.warning(f"averaging round partial ({report.reason})")
+            elif report.outcome != "ok":
                 if report.outcome != "skipped":
                     logger.warning(f"averaging round {report.outcome} ({report.reason}); using local gradients")
                 self._load_local_gradients_into_optimizer()
-        # if others got past this epoch without us, take their state instead of drifting apart
-        self.rounds.finish_round(report, left_behind=self.tracker.global_epoch > self.local_epoch)
+        # if others averaged without us, take their state instead of drifting apart
+        self.rounds.finish_round(report, others_present=self.tracker.global_progress.num_peers > 1)
 
     def _should_load_state_from_peers(self) -> bool:
         if not self.rounds.download_allowed():
             return False
-        return self.rounds.take_resync() or super()._should_load_state_from_peers()
+        return self.rounds.take_resync(self._donor_ahead) or super()._should_load_state_from_peers()
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -196,6 +203,9 @@ class SyncOptimizer(hivemind.Optimizer):
         self.matchmaking_time = deadlines.matchmaking_seconds
         self.averaging_timeout = deadlines.averaging_timeout_seconds
         set_matchmaking_window((self.state_averager, self.grad_averager), deadlines.matchmaking_seconds)
+
+    def _donor_ahead(self) -> bool:
+        return donor_ahead(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
 
     def _load_state_from_peers_bounded(self, **kwargs) -> bool:
         # upstream's load_state_from_peers, with the download loop bounded

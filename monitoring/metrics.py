@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from monitoring.phases import CATEGORIES, CATEGORY_OF_PHASE, PHASES
 
-ROUND_OUTCOMES = ("ok", "failed", "timeout", "skipped")
+ROUND_OUTCOMES = ("ok", "partial", "failed", "timeout", "skipped")
 """Values of the `outcome` label of `peer_averaging_rounds_total`."""
 
 DROP_REASONS = ("weight", "non-finite", "norm", "direction")
@@ -113,8 +113,8 @@ class PeerMetrics:
             registry=r,
         )
         self.averaging_rounds = Counter(
-            "peer_averaging_rounds", "Averaging rounds by outcome (ok, failed, timeout, skipped).", ["outcome"],
-            registry=r,
+            "peer_averaging_rounds", "Averaging rounds by outcome (ok, partial, failed, timeout, skipped).",
+            ["outcome"], registry=r,
         )
         self.averaging_round_seconds = Histogram(
             "peer_averaging_round_seconds",

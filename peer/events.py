@@ -81,7 +81,7 @@ class EpochEnded(Event):
 class RoundEnded(Event):
     event: Literal["round"] = "round"
     outcome: str
-    """ok, failed, timeout or skipped (averaging/api.py OUTCOMES)."""
+    """ok, partial, failed, timeout or skipped (averaging/api.py OUTCOMES)."""
     seconds: float
     group_size: int
     reason: str = ""

@@ -63,7 +63,7 @@ class MetricsObserver(TrainingObserver):
     def on_round(self, report: RoundReport, payload_bytes: int) -> None:
         # butterfly all-reduce: each peer sends (N-1)/N of the payload out and gets as much back, twice
         n = max(1, report.group_size)
-        moved = int(2 * (n - 1) / n * payload_bytes) if report.outcome == "ok" else 0
+        moved = int(2 * (n - 1) / n * payload_bytes) if report.outcome in ("ok", "partial") else 0
         self.metrics.record_round(report.outcome, report.seconds, report.group_size, moved, moved)
 
     def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:

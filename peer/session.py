@@ -27,7 +27,7 @@ from typing import Callable, Dict, Optional
 
 from hivemind.utils import get_dht_time
 
-from averaging.api import SwarmOptimizer
+from averaging.api import APART, SwarmOptimizer
 from averaging.open_rounds import RoundAbandoner
 from dht.keys import SwarmKeys
 from dht.records import own_subkey, read_by_owner, store_own
@@ -121,7 +121,7 @@ class SwarmSession:
         now = time.monotonic()
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
         progress = read_by_owner(self.dht, self.keys.progress)  # fresh: the tracker's view may lag
-        if last_round_outcome in ("failed", "timeout") and may_have_final_state(epoch, progress, self.me):
+        if last_round_outcome in APART and may_have_final_state(epoch, progress, self.me):
             self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING))
             offers = self._take_final_state(epoch, give_up_at=now + matchmaking + timeout)
         else:

@@ -9,6 +9,8 @@ from typing import Dict, List, Optional
 
 from pydantic import BaseModel, Field
 
+from averaging.api import OUTCOMES
+
 
 class PeerSummary(BaseModel):
     peer_id: str = ""
@@ -21,7 +23,7 @@ class PeerSummary(BaseModel):
     val_loss_first: Optional[float] = None
     val_loss_last: Optional[float] = None
     phase_seconds: Dict[str, float] = Field(default_factory=dict)
-    averaging_rounds: Dict[str, int] = Field(default_factory=lambda: {"ok": 0, "failed": 0, "timeout": 0, "skipped": 0})
+    averaging_rounds: Dict[str, int] = Field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     largest_group: int = 0
     """The most peers in one successful averaging round."""
     longest_step_seconds: float = 0.0

@@ -112,7 +112,7 @@ class RoundTally:
     def on_round(self, report: RoundReport) -> None:
         self.last_outcome = report.outcome
         self.summary.averaging_rounds[report.outcome] = self.summary.averaging_rounds.get(report.outcome, 0) + 1
-        if report.outcome == "ok":
+        if report.outcome in ("ok", "partial"):
             self.summary.largest_group = max(self.summary.largest_group, report.group_size)
         self.observer.on_round(report, self.payload_bytes)
 

@@ -315,7 +315,7 @@ def test_run_stops_at_max_epochs_after_validating_each_epoch_and_leaves_with_the
     assert (rig.summary.local_steps, rig.summary.samples) == (steps, steps * BATCH)
     assert rig.summary.train_loss == rig.observer.steps[-1][1]
     assert rig.observer.swarm_peers == [3] * steps
-    assert rig.summary.averaging_rounds == {"ok": 1, "failed": 1, "timeout": 1, "skipped": 0}
+    assert rig.summary.averaging_rounds == {"ok": 1, "partial": 0, "failed": 1, "timeout": 1, "skipped": 0}
     assert not same_tensors(parameters_of(rig.model), initial)  # the optimizer's steps trained the model
     assert rig.checkpoint_epochs() == [2]
     state = rig.store.load_latest().state
@@ -573,18 +573,21 @@ def test_a_checkpoint_of_another_run_or_task_is_refused(tmp_path, field, value):
 
 
 def test_the_round_tally_counts_outcomes_and_the_largest_successful_group():
-    """on_round counts every outcome, keeps the largest group of ok rounds only, the last outcome, and reports on."""
+    """on_round counts every outcome, keeps the largest group of ok or partial rounds, the last outcome, and reports
+    on."""
     summary, observer = PeerSummary(run_id="unit", task="unit-mlp"), RecordingObserver()
     tally = RoundTally(summary, observer, PAYLOAD_BYTES)
     reports = [RoundReport("ok", 1.0, 3), RoundReport("failed", 2.0, 5, "peer left"), RoundReport("ok", 1.0, 2),
-               RoundReport("skipped", 0.0, 9), RoundReport("timeout", 5.0, 7)]
+               RoundReport("skipped", 0.0, 9), RoundReport("partial", 2.0, 4, "late part"),
+               RoundReport("timeout", 5.0, 7)]
     assert tally.last_outcome is None
 
     for report in reports:
         tally.on_round(report)
 
-    assert summary.averaging_rounds == {"ok": 2, "failed": 1, "timeout": 1, "skipped": 1}
-    assert summary.largest_group == 3  # the failed, skipped and timed-out rounds' larger groups do not count
+    assert summary.averaging_rounds == {"ok": 2, "partial": 1, "failed": 1, "timeout": 1, "skipped": 1}
+    assert summary.largest_group == 4  # a partial round averaged in its group; the failed, skipped and timed-out
+    # rounds' larger groups do not count
     assert tally.last_outcome == "timeout"
     assert observer.rounds == [(report, PAYLOAD_BYTES) for report in reports]
 
