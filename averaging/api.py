@@ -113,6 +113,11 @@ class SwarmOptimizer(Protocol):
     def deadlines(self) -> Deadlines:
         """The matchmaking window and round timeout in force now (they adapt with 'auto')."""
 
+    @property
+    def apart(self) -> bool:
+        """Whether a round that went wrong (APART) may have left this peer's state different from the swarm's,
+        and it has not downloaded since."""
+
     def step(self, batch_size: Optional[int] = None) -> None:
         """Account one local batch (gradients are in the parameters' .grad); may average or download."""
 

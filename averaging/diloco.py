@@ -43,7 +43,7 @@ from averaging.api import Replica, RoundReport, SwarmView
 from averaging.compression import make_codec
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
-from averaging.donor import declare_apart, donor_ahead, offer_state
+from averaging.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
 from averaging.guards import all_finite
 from averaging.rounds import RoundKeeper, set_matchmaking_window
 from averaging.state import GuardedStateAverager
@@ -146,6 +146,10 @@ class DiLoCoOptimizer:
     @property
     def deadlines(self) -> Deadlines:
         return self._deadlines
+
+    @property
+    def apart(self) -> bool:
+        return self.rounds.apart
 
     def swarm_view(self, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
         return progress.swarm_view(self.tracker, refresh_timeout_seconds)
@@ -305,15 +309,18 @@ class DiLoCoOptimizer:
         """Upstream hivemind.Optimizer's rule, plus a resync after a round that left this peer apart."""
         if not self.rounds.download_allowed():
             return False
-        if self.rounds.take_resync(self._donor_ahead):
+        if self.rounds.take_resync(self._donors, self._become_reference):
             return True
         if self._check_sync_on_next_step and self.tracker.fetched_global_progress_this_epoch.is_set():
             self._check_sync_on_next_step = False
             return self.local_epoch != self.tracker.global_epoch
         return self.local_epoch < self.tracker.global_epoch - 1
 
-    def _donor_ahead(self) -> bool:
-        return donor_ahead(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
+    def _donors(self) -> DonorView:
+        return donor_view(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
+
+    def _become_reference(self) -> None:
+        declare_whole((self.state_averager,), self.local_epoch)
 
     def _start_next_round(self) -> None:
         """Reset the round's counters and tell the swarm (caller holds tracker.pause_updates())."""

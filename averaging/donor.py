@@ -4,8 +4,10 @@ hivemind's state download tries donors in order of their declared priority (a fl
 donor's epoch; ties are broken at random). Peers at the same epoch may hold different states: one
 whose round was partial or failed applied (partly) its own update.
 - Apart: such a peer declares its epoch minus APART_PENALTY until it has downloaded, so that it
-  ranks below every peer at its epoch whose round was whole (averaging/rounds.py), and it waits for
-  a donor that declares its epoch or later (`donor_ahead`).
+  ranks below every peer at its epoch whose round was whole, and it waits for a donor that declares
+  its epoch or later (averaging/rounds.py). When a reducer died mid-round, every survivor is apart:
+  then the one with the smallest peer id among those apart at the epoch becomes the reference (it
+  declares its epoch again) and the others download its state.
 - The final state: at the end of a run, raising the priority by DONOR_BONUS ranks a peer whose
   state is the swarm's above the others at the same epoch, and still below any peer an epoch ahead.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Collection, Iterable, Optional
 
 from hivemind.averaging import DecentralizedAverager
@@ -25,16 +28,37 @@ VISIBLE_WITHIN_SECONDS = 5.0
 
 
 def declare_apart(averagers: Iterable[Optional[DecentralizedAverager]], epoch: int) -> None:
-    """Rank this peer below the others at `epoch` until its next download (which declares its epoch again)."""
+    """Rank this peer below the others at `epoch` until it downloads or becomes the reference (declare_whole)."""
     for averager in _sharing(averagers):
         averager.state_sharing_priority = epoch - APART_PENALTY
 
 
-def donor_ahead(averager: DecentralizedAverager, epoch: int, excluded: Collection[bytes] = ()) -> bool:
-    """Whether a peer other than this one (and not excluded) declares a state at `epoch` or later."""
+def declare_whole(averagers: Iterable[Optional[DecentralizedAverager]], epoch: int) -> None:
+    """Declare `epoch` again: this peer's state is the one peers apart at `epoch` download."""
+    for averager in _sharing(averagers):
+        averager.state_sharing_priority = epoch
+
+
+@dataclass(frozen=True)
+class DonorView:
+    """What a peer apart from the swarm at some epoch sees of the donors."""
+
+    ahead: bool
+    """Another peer declares a state at that epoch or later: download it."""
+    smallest_apart: bool
+    """No peer is ahead, and this one has the smallest id among the sharing peers apart at that epoch."""
+
+
+def donor_view(averager: DecentralizedAverager, epoch: int, excluded: Collection[bytes] = ()) -> DonorView:
+    """The donors declared in the DHT (but the `excluded` peer ids), as seen by this peer apart at `epoch`."""
     me = averager.peer_id.to_bytes()
-    return any(owner != me and owner not in excluded and priority >= epoch
-               for owner, priority in _declared_priorities(averager).items())
+    declared = {owner: priority for owner, priority in declared_priorities(averager).items()
+                if owner not in excluded}
+    if any(owner != me and priority >= epoch for owner, priority in declared.items()):
+        return DonorView(ahead=True, smallest_apart=False)
+    apart = [owner for owner, priority in declared.items() if owner != me and priority == epoch - APART_PENALTY]
+    shares = bool(_sharing([averager]))  # a peer that serves no state cannot be the reference
+    return DonorView(ahead=False, smallest_apart=shares and all(me < owner for owner in apart))
 
 
 def offer_state(averagers: Iterable[DecentralizedAverager], epoch: int,
@@ -63,7 +87,7 @@ def _sharing(averagers: Iterable[Optional[DecentralizedAverager]]) -> list:
             if averager is not None and not averager.client_mode and averager.allow_state_sharing]
 
 
-def _declared_priorities(averager: DecentralizedAverager) -> dict:
+def declared_priorities(averager: DecentralizedAverager) -> dict:
     """Owner (peer id bytes) -> the priority it declares, for every well-formed declaration in the DHT."""
     found = averager.dht.get(f"{averager.prefix}.all_averagers", latest=True)
     if found is None or not isinstance(found.value, dict):
@@ -74,4 +98,4 @@ def _declared_priorities(averager: DecentralizedAverager) -> dict:
 
 
 def _declared_priority(averager: DecentralizedAverager):
-    return _declared_priorities(averager).get(averager.peer_id.to_bytes())
+    return declared_priorities(averager).get(averager.peer_id.to_bytes())

@@ -6,9 +6,11 @@
 - Resync: a round that was partial, failed or timed out while other peers averaged leaves this peer
   apart (gradient and pseudo-gradient averaging never bring it back). It declares itself a worse
   donor than its epoch (averaging/donor.py) and downloads the state of a peer that declares its
-  epoch or later, which only a peer whose round was whole does. If no such peer shows up within an
-  averaging timeout, every peer's round went wrong alike: it stays on its own state rather than
-  trading states at random with peers as far apart as itself.
+  epoch or later, which only a peer whose round was whole does. If none shows up within an
+  averaging timeout (by then any whole peer's round has ended), every peer's round went wrong alike,
+  as when a reducer died: the apart peer with the smallest id becomes the reference and the others
+  download its state, instead of trading states at random. After two timeouts, a peer that has
+  still seen no donor goes on with its own state.
 - Deadlines: with 'auto', they are chosen again after every epoch from the swarm's rate.
 - Exclusion: the watch that turns reducers' verdicts into excluded peers runs as long as the rounds.
 - State downloads: a bounded number of attempts instead of hivemind's `while True`, and after a
@@ -26,6 +28,7 @@ from typing import Callable, ContextManager, Iterable, Optional
 
 from averaging.api import APART, AveragingHooks, RoundReport, SwarmView
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
+from averaging.donor import DonorView
 from averaging.exclusion import ExclusionWatch
 
 logger = logging.getLogger(__name__)
@@ -79,18 +82,26 @@ class RoundKeeper:
         """Whether this peer's state may differ from the swarm's until it downloads (a resync is pending)."""
         return self._apart_since is not None
 
-    def take_resync(self, donor_ahead: Callable[[], bool]) -> bool:
+    def take_resync(self, donors: Callable[[], DonorView], become_reference: Callable[[], None]) -> bool:
         """Whether to download the swarm's state now (once: a True clears the pending resync).
 
-        `donor_ahead`: whether another peer offers a state at this peer's epoch or later.
+        `donors`: what this peer sees of the donors at its epoch; `become_reference`: declare this
+        peer's epoch again, as the state that the other apart peers download.
         """
         if self._apart_since is None or self.clock() < self._next_donor_check:
             return False
-        if donor_ahead():
+        view = donors()
+        if view.ahead:
             self._apart_since = None
             return True
         self._next_donor_check = self.clock() + DONOR_CHECK_SECONDS
-        if self.clock() - self._apart_since > self.deadlines.current.averaging_timeout_seconds:
+        waited, timeout = self.clock() - self._apart_since, self.deadlines.current.averaging_timeout_seconds
+        if view.smallest_apart and waited > timeout:
+            logger.info("no peer's last round was whole: this peer's state is the reference, "
+                        "the other peers apart from the swarm download it")
+            become_reference()
+            self._apart_since = None
+        elif waited > 2 * timeout:
             logger.warning("no peer offers a state from a whole averaging round: "
                            "this peer goes on with its own state")
             self._apart_since = None

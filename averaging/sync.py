@@ -31,7 +31,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from averaging import completeness, progress
 from averaging.api import RoundReport, SwarmView
 from averaging.deadlines import Deadlines
-from averaging.donor import declare_apart, donor_ahead, offer_state
+from averaging.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
 from averaging.guards import all_finite
 from averaging.rounds import RoundKeeper, set_matchmaking_window
 from averaging.state import GuardedStateAverager, ReportingStateAverager
@@ -75,6 +75,10 @@ class SyncOptimizer(hivemind.Optimizer):
     @property
     def deadlines(self) -> Deadlines:
         return Deadlines(self.matchmaking_time, self.averaging_timeout)
+
+    @property
+    def apart(self) -> bool:
+        return self.rounds.apart
 
     def swarm_view(self, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
         return progress.swarm_view(self.tracker, refresh_timeout_seconds)
@@ -188,7 +192,7 @@ class SyncOptimizer(hivemind.Optimizer):
     def _should_load_state_from_peers(self) -> bool:
         if not self.rounds.download_allowed():
             return False
-        return self.rounds.take_resync(self._donor_ahead) or super()._should_load_state_from_peers()
+        return self.rounds.take_resync(self._donors, self._become_reference) or super()._should_load_state_from_peers()
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -204,8 +208,11 @@ class SyncOptimizer(hivemind.Optimizer):
         self.averaging_timeout = deadlines.averaging_timeout_seconds
         set_matchmaking_window((self.state_averager, self.grad_averager), deadlines.matchmaking_seconds)
 
-    def _donor_ahead(self) -> bool:
-        return donor_ahead(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
+    def _donors(self) -> DonorView:
+        return donor_view(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
+
+    def _become_reference(self) -> None:
+        declare_whole((self.state_averager, self.grad_averager), self.local_epoch)
 
     def _load_state_from_peers_bounded(self, **kwargs) -> bool:
         # upstream's load_state_from_peers, with the download loop bounded

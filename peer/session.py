@@ -121,7 +121,8 @@ class SwarmSession:
         now = time.monotonic()
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
         progress = read_by_owner(self.dht, self.keys.progress)  # fresh: the tracker's view may lag
-        if last_round_outcome in APART and may_have_final_state(epoch, progress, self.me):
+        apart = last_round_outcome in APART or self.optimizer.apart
+        if apart and may_have_final_state(epoch, progress, self.me):
             self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING))
             offers = self._take_final_state(epoch, give_up_at=now + matchmaking + timeout)
         else:

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from averaging import hivemind_compat
-from averaging.donor import APART_PENALTY, DONOR_BONUS, declare_apart, donor_ahead, offer_state
+from averaging.donor import (
+    APART_PENALTY,
+    DONOR_BONUS,
+    declare_apart,
+    declare_whole,
+    declared_priorities,
+    donor_view,
+    offer_state,
+)
 from tests.peers import wait_until
 
 EPOCH = 7
@@ -59,12 +67,27 @@ def test_peers_apart_from_the_swarm_wait_for_a_whole_one_and_are_never_its_donor
         whole, apart, downloader = averagers
         declare_apart([apart, downloader, None], EPOCH)
         assert apart.state_sharing_priority == EPOCH - APART_PENALTY
-        wait_until(lambda: donor_ahead(apart, EPOCH), timeout=15, message="the whole peer's declaration")
-        assert not donor_ahead(apart, EPOCH, excluded={whole.peer_id.to_bytes()})
-        assert not donor_ahead(apart, EPOCH + 1)
+        expected = {whole.peer_id.to_bytes(): EPOCH, apart.peer_id.to_bytes(): EPOCH - APART_PENALTY,
+                    downloader.peer_id.to_bytes(): EPOCH - APART_PENALTY}
+        wait_until(lambda: declared_priorities(whole) == expected, timeout=15, message="the three declarations")
+        assert donor_view(apart, EPOCH).ahead and not donor_view(whole, EPOCH).ahead
+        assert not donor_view(apart, EPOCH + 1).ahead
         for _ in range(5):  # the apart peer ranks below the whole one, whatever hivemind's tie-break draws
             _, tensors = downloader.load_state_from_peers(timeout=20)
             assert torch.equal(tensors[0], torch.full((16,), 0.0))
 
-        declare_apart([whole], EPOCH)  # every round went wrong alike: nobody to wait for
-        wait_until(lambda: not donor_ahead(apart, EPOCH), timeout=15, message="the whole peer's new declaration")
+        declare_apart([whole], EPOCH)  # every round went wrong alike, as when a reducer died
+        expected[whole.peer_id.to_bytes()] = EPOCH - APART_PENALTY
+        wait_until(lambda: declared_priorities(whole) == expected, timeout=15, message="the new declaration")
+        by_id = sorted(averagers, key=lambda averager: averager.peer_id.to_bytes())
+        smallest = by_id[0]
+        assert [donor_view(averager, EPOCH).smallest_apart for averager in by_id] == [True, False, False]
+        # an excluded peer counts for nothing, neither as a donor nor as the reference
+        assert donor_view(by_id[1], EPOCH, excluded={smallest.peer_id.to_bytes()}).smallest_apart
+
+        declare_whole([smallest], EPOCH)  # the reference: every other apart peer now downloads its state
+        wait_until(lambda: all(donor_view(averager, EPOCH).ahead for averager in by_id[1:]), timeout=15,
+                   message="the reference's declaration")
+        _, tensors = by_id[1].load_state_from_peers(timeout=20)
+        with smallest.get_tensors() as (reference,):
+            assert torch.equal(tensors[0], reference)

@@ -20,6 +20,7 @@ from hivemind.proto import averaging_pb2
 from averaging import completeness, hivemind_compat
 from averaging.api import AveragingHooks, RoundReport
 from averaging.deadlines import AdaptiveDeadlines
+from averaging.donor import DonorView
 from averaging.rounds import DONOR_CHECK_SECONDS, RoundKeeper
 from tests.test_averaging_inprocess import run_in_threads, start_dhts
 
@@ -129,6 +130,14 @@ def round_keeper(timeout_seconds: float = 20.0):
     return keeper, reports
 
 
+AHEAD, NONE = DonorView(ahead=True, smallest_apart=False), DonorView(ahead=False, smallest_apart=False)
+SMALLEST = DonorView(ahead=False, smallest_apart=True)
+
+
+def never_reference():
+    raise AssertionError("this peer must not become the reference")
+
+
 @pytest.mark.parametrize("outcome", ["partial", "failed", "timeout"])
 def test_a_round_that_left_this_peer_apart_downloads_once_a_whole_peer_offers_its_state(outcome):
     keeper, reports = round_keeper()
@@ -136,21 +145,37 @@ def test_a_round_that_left_this_peer_apart_downloads_once_a_whole_peer_offers_it
     assert reports[-1].outcome == outcome and keeper.apart
 
     asked = []
-    assert not keeper.take_resync(lambda: asked.append(1) or False)  # nobody at this epoch yet: train on
-    assert not keeper.take_resync(lambda: asked.append(1) or True)  # within DONOR_CHECK_SECONDS: not asked
+    assert not keeper.take_resync(lambda: asked.append(1) or NONE, never_reference)  # nobody ahead yet: train on
+    assert not keeper.take_resync(lambda: asked.append(1) or AHEAD, never_reference)  # not asked again so soon
     assert len(asked) == 1 and keeper.apart
     keeper.clock.now += DONOR_CHECK_SECONDS
-    assert keeper.take_resync(lambda: True)
+    assert keeper.take_resync(lambda: AHEAD, never_reference)
     assert not keeper.apart
-    assert not keeper.take_resync(lambda: True)  # once
+    assert not keeper.take_resync(lambda: AHEAD, never_reference)  # once
 
 
-def test_without_a_whole_peer_within_an_averaging_timeout_it_keeps_its_own_state(caplog):
+def test_when_every_round_went_wrong_the_smallest_apart_peer_becomes_the_reference_after_a_timeout():
+    keeper, _ = round_keeper(timeout_seconds=20.0)
+    keeper.finish_round(RoundReport("partial", 3.0, 3), others_present=True)
+    became = []
+    while keeper.clock.now < 100.0 + 20.0:  # a whole peer may still be finishing its round: wait for it
+        assert not keeper.take_resync(lambda: SMALLEST, lambda: became.append(keeper.clock.now))
+        keeper.clock.now += DONOR_CHECK_SECONDS
+    assert not became and keeper.apart
+    keeper.clock.now += DONOR_CHECK_SECONDS
+    assert not keeper.take_resync(lambda: SMALLEST, lambda: became.append(keeper.clock.now))
+    assert len(became) == 1 and not keeper.apart  # it declares its epoch again; the others download from it
+
+
+def test_a_peer_that_sees_no_donor_in_two_timeouts_keeps_its_own_state(caplog):
     keeper, _ = round_keeper(timeout_seconds=20.0)
     keeper.finish_round(RoundReport("partial", 3.0, 2), others_present=True)
-    for _ in range(50):
+    for _ in range(79):
         keeper.clock.now += DONOR_CHECK_SECONDS
-        assert not keeper.take_resync(lambda: False)
+        assert not keeper.take_resync(lambda: NONE, never_reference)
+    assert keeper.apart  # another apart peer with a smaller id may still become the reference
+    keeper.clock.now += 2 * DONOR_CHECK_SECONDS
+    assert not keeper.take_resync(lambda: NONE, never_reference)
     assert not keeper.apart
     assert "goes on with its own state" in caplog.text
 
@@ -160,4 +185,4 @@ def test_a_whole_round_or_a_lone_peer_needs_no_download(outcome, others_present)
     keeper, _ = round_keeper()
     keeper.finish_round(RoundReport(outcome, 1.0, 2), others_present=others_present)
     assert not keeper.apart
-    assert not keeper.take_resync(lambda: True)
+    assert not keeper.take_resync(lambda: AHEAD, never_reference)

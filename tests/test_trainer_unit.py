@@ -83,6 +83,10 @@ class FakeOptimizer:
     def deadlines(self) -> Deadlines:
         return Deadlines(1.0, 5.0)
 
+    @property
+    def apart(self) -> bool:
+        return False
+
     def step(self, batch_size: Optional[int] = None) -> None:
         assert len(self.steps) < RUNAWAY, "the training loop did not stop"
         grads = [p.grad for group in self.inner.param_groups for p in group["params"]]
