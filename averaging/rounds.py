@@ -71,11 +71,15 @@ class RoundKeeper:
 
     def finish_round(self, report: RoundReport, others_present: bool) -> None:
         """Record a round's outcome; `others_present`: whether other peers may have averaged without this one."""
+        self.note_apart(report, others_present)
+        self.deadlines.observe_round(report.outcome, report.seconds)
+        self.hooks.round_finished(report)
+
+    def note_apart(self, report: RoundReport, others_present: bool) -> None:
+        """Only whether the round left this peer apart (for rounds that are not reported, as sync's state rounds)."""
         if report.outcome in APART and others_present:
             self._apart_since = self.clock()
             self._next_donor_check = float("-inf")
-        self.deadlines.observe_round(report.outcome, report.seconds)
-        self.hooks.round_finished(report)
 
     @property
     def apart(self) -> bool:

@@ -3,7 +3,8 @@
 - GuardedStateAverager discards a parameter-averaging result holding NaN or Inf, and its state
   download raises StateDownloadFailed unless a peer's state was really loaded (upstream returns
   None either way) and is finite.
-- ReportingStateAverager also reports every parameter-averaging round (local-sgd's only rounds).
+- ReportingStateAverager also reports every parameter-averaging round: local-sgd's only rounds, and
+  sync's rounds that undo drift (a peer left out of its group's last one is apart from it).
 
 Both override upstream methods; averaging/hivemind_compat.py fingerprints what they override.
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import hivemind
 import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from averaging import completeness
-from averaging.api import AveragingHooks, RoundReport
+from averaging.api import RoundReport
 from averaging.guards import all_finite
 
 logger = logging.getLogger(__name__)
@@ -72,15 +74,15 @@ class GuardedStateAverager(TrainingStateAverager, _DownloadRecorder):
 
 
 class ReportingStateAverager(GuardedStateAverager):
-    """TrainingStateAverager that reports each parameter-averaging round (local-sgd's only rounds).
+    """TrainingStateAverager that reports each parameter-averaging round to `report`.
 
     Upstream creates the round inside `_do` and swallows its outcome; here the round is created
     first, so that its outcome can be read after upstream's `_do` has run it. Runs in hivemind's
     background thread, so it reports but never times a phase.
     """
 
-    def __init__(self, *, hooks: AveragingHooks, **kwargs):
-        self._hooks = hooks
+    def __init__(self, *, report: Callable[[RoundReport], None], **kwargs):
+        self._report = report
         super().__init__(**kwargs)
 
     def _do(self, wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, grad_scaler,
@@ -95,7 +97,7 @@ class ReportingStateAverager(GuardedStateAverager):
                     self, gather=self.local_epoch, require_trigger=True, timeout=timeout, wait=False, **kwargs
                 )
             except BaseException as e:  # let upstream retry and handle it the way it always does
-                self._hooks.round_finished(RoundReport("failed", time.monotonic() - started, 1, repr(e)))
+                self._report(RoundReport("failed", time.monotonic() - started, 1, repr(e)))
                 return super()._do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, None,
                                    grad_scaler, set_to_none, timeout=timeout, **kwargs)
         super()._do(wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, grad_scaler,
@@ -108,4 +110,4 @@ class ReportingStateAverager(GuardedStateAverager):
             report = RoundReport("timeout", time.monotonic() - started, 1, repr(e))
         except BaseException as e:
             report = RoundReport("failed", time.monotonic() - started, 1, repr(e))
-        self._hooks.round_finished(report)
+        self._report(report)

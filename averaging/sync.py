@@ -13,7 +13,8 @@ What it adds to hivemind's optimizer:
 - `load_state_from_peers` gives up after a bounded number of attempts instead of retrying forever;
 - an explicit `client_mode` is honoured (upstream replaces it with the DHT's value);
 - with 'auto' deadlines, they are chosen again after every epoch and applied where hivemind reads them;
-- with local-sgd, the parameter-averaging rounds are reported too (they are its only rounds).
+- with local-sgd, the parameter-averaging rounds are reported too (they are its only rounds); with sync
+  and powersgd, one that left this peer out of its group leaves it apart, as a gradient round would.
 
 It overrides upstream methods; averaging/hivemind_compat.py fingerprints each of them.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
 from typing import Optional
 
 import hivemind
@@ -34,7 +34,7 @@ from averaging.deadlines import Deadlines
 from averaging.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
 from averaging.guards import all_finite
 from averaging.rounds import RoundKeeper, set_matchmaking_window
-from averaging.state import GuardedStateAverager, ReportingStateAverager
+from averaging.state import ReportingStateAverager
 from dht.keys import SwarmKeys
 
 logger = logging.getLogger(__name__)
@@ -116,10 +116,9 @@ class SyncOptimizer(hivemind.Optimizer):
     # --- overrides of upstream methods ---------------------------------------------------------
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        averager_class = GuardedStateAverager
-        if self.report_state_rounds:
-            averager_class = partial(ReportingStateAverager, hooks=self.rounds.hooks)
-        return averager_class(
+        report = self.rounds.hooks.round_finished if self.report_state_rounds else self._state_round_finished
+        return ReportingStateAverager(
+            report=report,
             dht=self.dht,
             prefix=self.keys.state_averager,
             min_matchmaking_time=self.matchmaking_time,
@@ -188,6 +187,10 @@ class SyncOptimizer(hivemind.Optimizer):
                 self._load_local_gradients_into_optimizer()
         # if others averaged without us, take their state instead of drifting apart
         self.rounds.finish_round(report, others_present=self.tracker.global_progress.num_peers > 1)
+
+    def _state_round_finished(self, report: RoundReport) -> None:
+        """A parameter-averaging round that undoes drift; a peer left out of one is apart from its group."""
+        self.rounds.note_apart(report, others_present=self.tracker.global_progress.num_peers > 1)
 
     def _should_load_state_from_peers(self) -> bool:
         if not self.rounds.download_allowed():

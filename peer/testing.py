@@ -45,8 +45,8 @@ PR_SET_PDEATHSIG = 1
 EVENT_WRITERS = ("start", "bootstrap")  # the commands that take --events
 FAST_ARGS = (
     "--matchmaking-seconds", "1",
-    # a quarter of it per chunk, for peers slowed by a loaded machine: a part that arrives too late is left out, and
-    # the others keep their own values for it (README, failure behaviour: still open, 20 s does not prevent it)
+    # a quarter of it per chunk, for peers slowed by a loaded machine: fewer parts arrive too late, which makes rounds
+    # partial and sends the peers that missed a part to download a whole peer's state (averaging/rounds.py)
     "--averaging-timeout-seconds", "20",
     "--data-workers", "1",
     "--val-batches", "4",
