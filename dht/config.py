@@ -35,6 +35,16 @@ def check_multiaddr(maddr: str) -> None:
         raise ValueError(f"malformed multiaddr {maddr!r} ({e}); expected e.g. {MULTIADDR_EXAMPLE}") from None
 
 
+def check_initial_peer(maddr: str) -> None:
+    """Raise ValueError unless `maddr` is a multiaddr that names its peer: hivemind cannot dial a peer without
+    its id (it retries, then fails as if nobody were there)."""
+    check_multiaddr(maddr)
+    if "/p2p/" not in maddr:
+        raise ValueError(f"{maddr} has no /p2p/<peer id> part, and a peer cannot be reached without it; "
+                         f"copy the whole address from the first peer's 'join from another machine' line "
+                         f"(e.g. {MULTIADDR_EXAMPLE})")
+
+
 def read_initial_peers_file(path: Path) -> List[str]:
     """Multiaddrs from a file, one per line; '#' starts a comment; blank lines are ignored.
 
@@ -48,7 +58,7 @@ def read_initial_peers_file(path: Path) -> List[str]:
         if not maddr:
             continue
         try:
-            check_multiaddr(maddr)
+            check_initial_peer(maddr)
         except ValueError as e:
             raise ValueError(f"{path} line {number}: {e}") from None
         maddrs.append(maddr)
@@ -106,11 +116,18 @@ class DHTConfig(BaseModel):
     def _split(cls, value):
         return split_commas(value)
 
-    @field_validator("initial_peers", "host_maddrs", "announce_maddrs")
+    @field_validator("host_maddrs", "announce_maddrs")
     @classmethod
     def _valid_multiaddrs(cls, value: List[str]) -> List[str]:
         for maddr in value:
             check_multiaddr(maddr)
+        return value
+
+    @field_validator("initial_peers")
+    @classmethod
+    def _reachable_peers(cls, value: List[str]) -> List[str]:
+        for maddr in value:
+            check_initial_peer(maddr)
         return value
 
     @field_validator("announce_maddrs")

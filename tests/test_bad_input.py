@@ -19,6 +19,8 @@ from peer.cli import main
 from peer.config import OPTIONS_BY_CLI
 from tests.peers import REPO_ROOT
 
+PEER_ID = "12D3KooWFpVSw4FTShHPfXTgjf5fjiiBtY2NdFq4fZDS5FgUFc9S"  # any valid one: initial peers must name theirs
+
 
 def _file(tmp: Path, name: str, content: str) -> str:
     path = tmp / name
@@ -53,7 +55,8 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "verbose": [lambda t: "maybe"],
     "summary_json": [lambda t: str(t)],
     "events": [lambda t: str(t)],
-    "initial_peers": [lambda t: "not-a-multiaddr", lambda t: "/ip4/999.1.1.1/tcp/1"],
+    "initial_peers": [lambda t: "not-a-multiaddr", lambda t: "/ip4/999.1.1.1/tcp/1",
+                      lambda t: "/ip4/127.0.0.1/tcp/40749"],  # no /p2p/ part: nobody to dial
     "initial_peers_file": [lambda t: str(t / "missing.txt"), lambda t: _file(t, "peers.txt", "garbage\n"),
                            lambda t: _fifo(t, "peers.txt"), lambda t: _file(t, "big.txt", "#" * (2 << 20))],
     "identity": [lambda t: _file(t, "identity.key", "not a key")],
@@ -233,6 +236,7 @@ def run_peer_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     [
         (None, "bytelmm", "did you mean 'bytelm'"),
         (None, "no_such_module_anywhere:make_task", "cannot import module 'no_such_module_anywhere'"),
+        (None, "examples/custom_task.py", "not as a file path; give --task examples.custom_task:make_task"),
         ("raise RuntimeError('broken on import')\n", "broken_task:make_task", "RuntimeError: broken on import"),
         ("def make_task():\n    return 42\n", "broken_task:make_task", "returned int, expected peer.tasks.Task"),
         ("import sys\ndef make_task():\n    sys.exit(0)\n", "broken_task:make_task", "called sys.exit(0) instead"),
@@ -299,7 +303,7 @@ def test_metrics_port_in_use_exits_2(tmp_path):
 @pytest.mark.parametrize("command", ["status", "monitor"])
 def test_status_and_monitor_take_and_check_the_swarm_key(capsys, tmp_path, command):
     """Both read a keyed swarm's progress, so both take --swarm-key, checked like peer start's."""
-    code, output = run_cli(capsys, [command, "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--swarm-key",
+    code, output = run_cli(capsys, [command, "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{PEER_ID}", "--swarm-key",
                                     str(tmp_path / "missing.key")])
     assert_one_line_error(code, output, "--swarm-key", "missing.key")
 

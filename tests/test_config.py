@@ -13,6 +13,8 @@ from peer.cli import main
 from peer.config import OPTIONS, OPTIONS_BY_CLI, ConfigError, PeerConfig, index_options, load_config
 from tests.peers import REPO_ROOT
 
+PEER_ID = "12D3KooWFpVSw4FTShHPfXTgjf5fjiiBtY2NdFq4fZDS5FgUFc9S"  # any valid one: initial peers must name theirs
+
 
 def run_cli(capsys, *argv: str) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exited:
@@ -46,10 +48,11 @@ def test_precedence_defaults_file_env_flags(tmp_path: Path):
 
 def test_yaml_file_and_comma_separated_initial_peers(tmp_path: Path):
     config_file = tmp_path / "peer.yaml"
-    config_file.write_text("dht:\n  initial_peers:\n    - /ip4/10.0.0.1/tcp/31337\n")
-    assert load_config(config_file).dht.initial_peers == ["/ip4/10.0.0.1/tcp/31337"]
-    env = {"PEER_INITIAL_PEERS": "/ip4/10.0.0.1/tcp/1, /dns4/bootstrap/tcp/2"}
-    assert load_config(environ=env).dht.initial_peers == ["/ip4/10.0.0.1/tcp/1", "/dns4/bootstrap/tcp/2"]
+    config_file.write_text(f"dht:\n  initial_peers:\n    - /ip4/10.0.0.1/tcp/31337/p2p/{PEER_ID}\n")
+    assert load_config(config_file).dht.initial_peers == [f"/ip4/10.0.0.1/tcp/31337/p2p/{PEER_ID}"]
+    env = {"PEER_INITIAL_PEERS": f"/ip4/10.0.0.1/tcp/1/p2p/{PEER_ID}, /dns4/bootstrap/tcp/2/p2p/{PEER_ID}"}
+    assert load_config(environ=env).dht.initial_peers == [f"/ip4/10.0.0.1/tcp/1/p2p/{PEER_ID}",
+                                                          f"/dns4/bootstrap/tcp/2/p2p/{PEER_ID}"]
 
 
 def test_every_problem_reported_in_one_pass(tmp_path: Path):

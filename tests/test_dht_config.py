@@ -24,29 +24,30 @@ def test_peers_file_comments_blank_lines_and_merge_with_flag(tmp_path: Path):
     peers_file.write_text(
         "# bootstrap nodes of the run\n\n"
         f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER_ID}   # the lab's node\n"
-        "   /dns4/bootstrap.example.org/tcp/31337\n"
-        "/ip4/10.0.0.1/tcp/1\n"
+        f"   /dns4/bootstrap.example.org/tcp/31337/p2p/{PEER_ID}\n"
+        f"/ip4/10.0.0.1/tcp/1/p2p/{PEER_ID}\n"
     )
-    config = load_config(flags={"initial_peers": "/ip4/10.0.0.1/tcp/1", "initial_peers_file": str(peers_file)})
+    config = load_config(flags={"initial_peers": f"/ip4/10.0.0.1/tcp/1/p2p/{PEER_ID}",
+                                "initial_peers_file": str(peers_file)})
     assert config.dht.initial_peers == [
-        "/ip4/10.0.0.1/tcp/1",  # from the flag first; the duplicate in the file is dropped
+        f"/ip4/10.0.0.1/tcp/1/p2p/{PEER_ID}",  # from the flag first; the file's duplicate is dropped
         f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER_ID}",
-        "/dns4/bootstrap.example.org/tcp/31337",
+        f"/dns4/bootstrap.example.org/tcp/31337/p2p/{PEER_ID}",
     ]
     assert config.dht.initial_peers_file == peers_file
 
 
 def test_peers_file_from_env_satisfies_client_mode(tmp_path: Path):
     peers_file = tmp_path / "peers.txt"
-    peers_file.write_text("/dns4/bootstrap.example.org/tcp/31337\n")
+    peers_file.write_text(f"/dns4/bootstrap.example.org/tcp/31337/p2p/{PEER_ID}\n")
     config = load_config(environ={"PEER_INITIAL_PEERS_FILE": str(peers_file), "PEER_CLIENT_MODE": "true"})
     assert config.dht.client_mode
-    assert config.dht.initial_peers == ["/dns4/bootstrap.example.org/tcp/31337"]
+    assert config.dht.initial_peers == [f"/dns4/bootstrap.example.org/tcp/31337/p2p/{PEER_ID}"]
 
 
 def test_malformed_line_names_file_and_line(tmp_path: Path):
     peers_file = tmp_path / "peers.txt"
-    peers_file.write_text("# ok\n/ip4/10.0.0.1/tcp/1\n10.0.0.2:31337\n")
+    peers_file.write_text(f"# ok\n/ip4/10.0.0.1/tcp/1/p2p/{PEER_ID}\n10.0.0.2:31337\n")
     [problem] = problems_of(flags={"initial_peers_file": str(peers_file)})
     assert problem.startswith("--initial-peers-file (dht.initial_peers_file)")
     assert f"{peers_file} line 3: malformed multiaddr '10.0.0.2:31337'" in problem
@@ -119,3 +120,14 @@ def test_status_needs_initial_peers(capsys, monkeypatch):
         main(["status"])
     assert exited.value.code == 2
     assert "--initial-peers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["flag", "file"])
+def test_an_initial_peer_without_its_peer_id_is_refused_with_the_fix(tmp_path: Path, where):
+    address = "/ip4/127.0.0.1/tcp/40749"  # hivemind cannot dial it: it retries, then blames the peer
+    peers_file = tmp_path / "peers.txt"
+    peers_file.write_text(address + "\n")
+    flags = {"initial_peers": address} if where == "flag" else {"initial_peers_file": str(peers_file)}
+    [problem] = problems_of(flags=flags)
+    assert f"{address} has no /p2p/<peer id> part" in problem
+    assert "'join from another machine' line" in problem

@@ -205,6 +205,19 @@ def test_load_task_suggests_close_builtin():
         load_task("bytelmm")
 
 
+@pytest.mark.parametrize("given, suggested", [
+    ("examples/custom_task.py", "give --task examples.custom_task:make_task"),
+    ("examples/custom_task.py:build", "give --task examples.custom_task:build"),
+    ("{elsewhere}/my_task.py", "give --task my_task:make_task from {elsewhere}"),
+])
+def test_a_task_given_as_a_file_path_is_told_its_module_form(tmp_path, monkeypatch, given, suggested):
+    monkeypatch.chdir(tmp_path / "..")
+    elsewhere = str(tmp_path.parent.parent)  # above the working directory
+    with pytest.raises(TaskLoadError, match="not as a file path") as error:
+        load_task(given.format(elsewhere=elsewhere))
+    assert suggested.format(elsewhere=elsewhere) in str(error.value)
+
+
 def test_load_task_missing_module():
     with pytest.raises(TaskLoadError, match="no_such_module_xyz"):
         load_task("no_such_module_xyz:make")

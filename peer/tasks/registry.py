@@ -68,9 +68,27 @@ def run_within(seconds: float, work: Callable[[], T], timed_out: Exception) -> T
     return outcome[0]
 
 
+def _as_module(name: str) -> Optional[str]:
+    """For a --task given as a file path (examples/custom_task.py[:make_task]): what to give instead."""
+    path, _, function_name = name.partition(":")
+    if not (path.endswith(".py") or "/" in path or os.sep in path):
+        return None
+    function_name = function_name or "make_task"
+    relative = os.path.relpath(os.path.abspath(path), os.getcwd())
+    if relative.startswith(".."):  # outside this directory: import it from its own
+        stem = os.path.splitext(os.path.basename(path))[0]
+        return f"{stem}:{function_name} from {os.path.dirname(os.path.abspath(path))}"
+    module = os.path.splitext(relative)[0] if relative.endswith(".py") else relative
+    return f"{module.replace(os.sep, '.')}:{function_name}"
+
+
 def _load_task(name: str) -> Task:
     if name in BUILTIN_TASKS:
         return BUILTIN_TASKS[name]()
+    module_form = _as_module(name)
+    if module_form is not None:
+        raise TaskLoadError(f"--task {name}: a task is named as module:function, not as a file path; "
+                            f"give --task {module_form}")
     if ":" not in name:
         close = difflib.get_close_matches(name, BUILTIN_TASKS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
