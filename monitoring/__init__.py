@@ -2,7 +2,7 @@
 from monitoring.classifier import BottleneckChange, BottleneckClassifier
 from monitoring.exporter import MetricsBindError, MetricsExporter
 from monitoring.health import HealthCheck
-from monitoring.metrics import CONTRACT_METRIC_NAMES, CONTRACT_METRICS, ROUND_OUTCOMES, PeerMetrics
+from monitoring.metrics import CONTRACT_METRIC_NAMES, CONTRACT_METRICS, CUDA_ONLY_METRICS, ROUND_OUTCOMES, PeerMetrics
 from monitoring.phases import CATEGORIES, CATEGORY_OF_PHASE, PHASES, PhaseTimer
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "CATEGORY_OF_PHASE",
     "CONTRACT_METRICS",
     "CONTRACT_METRIC_NAMES",
+    "CUDA_ONLY_METRICS",
     "PHASES",
     "ROUND_OUTCOMES",
     "BottleneckChange",

@@ -31,7 +31,10 @@ class MonitoringConfig(BaseModel):
             raise ValueError("must be a port in 0..65535 (0 picks a free one) or off")
         return port
 
-    metrics_host: str = Field(default="0.0.0.0", description="Address the metrics endpoint listens on.")
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address the metrics endpoint listens on: 127.0.0.1 serves this machine only; 0.0.0.0 every "
+                    "interface (for a Prometheus elsewhere, behind a firewall).")
 
     @field_validator("metrics_host")
     @classmethod

@@ -55,6 +55,8 @@ PEER_METRICS: Dict[str, str] = {
     "peer_gpu_memory_allocated_bytes": "gauge",
     "peer_gpu_memory_peak_bytes": "gauge",
 }
+CUDA_ONLY_METRICS = ("peer_gpu_memory_allocated_bytes", "peer_gpu_memory_peak_bytes")
+"""Exported only by a peer that trains on CUDA: on the CPU they would read 0, as if the GPU were idle."""
 PROCESS_METRICS: Dict[str, str] = {
     # From prometheus_client's ProcessCollector (Linux /proc); only these two are part of the contract.
     "process_cpu_seconds_total": "counter",
@@ -67,9 +69,10 @@ INFO_LABELS = ("version", "device", "strategy", "compression")
 
 
 class PeerMetrics:
-    """All metrics of one peer, registered on `registry`; the training loop calls the methods below."""
+    """All metrics of one peer, registered on `registry`; the training loop calls the methods below.
+    The CUDA_ONLY_METRICS only with `cuda`."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, cuda: bool = False) -> None:
         self.registry = registry
         r = registry
         # Counters are declared without `_total`: prometheus_client appends it when exposing.
@@ -156,13 +159,15 @@ class PeerMetrics:
             "peer_info", "Constant 1, labelled with this peer's software version, device, strategy and compression.",
             list(INFO_LABELS), registry=r,
         )
-        self.gpu_memory_allocated = Gauge(
-            "peer_gpu_memory_allocated_bytes", "CUDA memory currently allocated by tensors of this process.",
-            registry=r,
-        )
-        self.gpu_memory_peak = Gauge(
-            "peer_gpu_memory_peak_bytes", "Peak CUDA memory allocated by tensors of this process.", registry=r
-        )
+        self.gpu_memory_allocated = self.gpu_memory_peak = None
+        if cuda:
+            self.gpu_memory_allocated = Gauge(
+                "peer_gpu_memory_allocated_bytes", "CUDA memory currently allocated by tensors of this process.",
+                registry=r,
+            )
+            self.gpu_memory_peak = Gauge(
+                "peer_gpu_memory_peak_bytes", "Peak CUDA memory allocated by tensors of this process.", registry=r
+            )
         self.process = ProcessCollector(registry=r)
 
         for phase in PHASES:
@@ -246,13 +251,15 @@ class PeerMetrics:
             self.bottleneck.labels(category=category).set(1 if category == dominant else 0)
 
     def update_gpu_memory(self) -> bool:
-        """Read CUDA memory of the current device into the GPU gauges; returns False (and does nothing) off CUDA.
+        """Read CUDA memory of the current device into the GPU gauges; returns False (and does nothing) off CUDA
+        or for a peer built without them.
 
         torch is looked up, not imported: if this process has not imported torch, CUDA cannot be
         initialized either, and importing torch here would cost seconds for nothing.
         """
         torch = sys.modules.get("torch")
-        if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        if self.gpu_memory_allocated is None or torch is None or not torch.cuda.is_available() \
+                or not torch.cuda.is_initialized():
             return False
         device = torch.cuda.current_device()
         self.gpu_memory_allocated.set(torch.cuda.memory_allocated(device))

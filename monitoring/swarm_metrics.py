@@ -55,7 +55,8 @@ class SwarmCollector(Collector):
             return
         swarm, peers = snapshot["swarm"], snapshot["peers"]
         yield _gauge("swarm_peers", "Live peers with a valid record in the DHT.", swarm["peers"])
-        yield _gauge("swarm_global_epoch", "The swarm's global epoch.", swarm["global_epoch"])
+        if peers:  # with no live peer, the swarm has no epoch (0 would read as a run that restarted)
+            yield _gauge("swarm_global_epoch", "The swarm's global epoch.", swarm["global_epoch"])
         yield _gauge("swarm_samples_per_second", "Sum of the peers' reported samples per second.",
                      swarm["samples_per_second"])
         yield _gauge("swarm_target_progress_ratio", "Samples accumulated toward the target batch, over the target.",

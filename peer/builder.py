@@ -94,7 +94,9 @@ class PeerBuilder:
         :raises BadInput: the metrics port is taken
         """
         config = self.config.monitoring
-        timer, metrics, classifier = PhaseTimer(), PeerMetrics(registry := CollectorRegistry()), BottleneckClassifier()
+        registry = CollectorRegistry()
+        timer, metrics = PhaseTimer(), PeerMetrics(registry, cuda=device.type == "cuda")
+        classifier = BottleneckClassifier()
         health = HealthCheck(config.health_window_seconds)
         timer.add_listener(metrics.observe_phase)
         timer.add_listener(classifier.observe)

@@ -3,7 +3,8 @@
 Joins the DHT as a client, reads every peer's record and the run's progress every few
 seconds (the same snapshot as `peer status --json`), and serves it on /metrics with the
 swarm_* metrics of monitoring.swarm_metrics. /healthz is 503 when the swarm could not be
-read for longer than the health window. Runs until SIGINT/SIGTERM, then exits 0.
+read for longer than the health window, and while it has no live peer. Runs until SIGINT/SIGTERM,
+then exits 0.
 """
 from __future__ import annotations
 
@@ -78,6 +79,10 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
                 snapshot = read_swarm(dht, config, timeout_seconds, claims)
                 collector.update(snapshot)
                 health.beat()
+                if snapshot["peers"]:
+                    health.recover()
+                else:
+                    health.degrade("no live peer in the swarm")
             except SwarmUnreachable as e:  # keep serving the last snapshot; /healthz tells the age
                 logger.warning(str(e))
             stop.wait(refresh_seconds)

@@ -28,6 +28,7 @@ def test_defaults_are_valid_and_lone_peer_trains_at_once():
     assert config.averaging.min_peers == 1
     assert config.training.task == "bytelm"
     assert config.dht.initial_peers == []
+    assert config.monitoring.metrics_host == "127.0.0.1"  # this machine only, unless an operator opens it
 
 
 def test_precedence_defaults_file_env_flags(tmp_path: Path):

@@ -49,7 +49,7 @@ GRAFANA_INTERVAL = "30s"  # stands in for $__rate_interval and friends when quer
 # Panels that may legitimately return no series on this CPU-only machine, and why.
 CUDA_ONLY_PANELS = {
     ("swarmtrain / Peer detail", "GPU memory"):
-        "peer_gpu_memory_* are set only on CUDA devices; CPU peers export 0 or nothing",
+        "peer_gpu_memory_* are exported only by peers on CUDA devices",
 }
 
 
@@ -225,6 +225,9 @@ def test_prometheus_scrapes_what_compose_serves(compose: Dict):
     assert discovery["names"] == ["peer"] and discovery["type"] == "A" and discovery["port"] == metrics_port
     assert jobs["monitor"]["static_configs"] == [{"targets": ["monitor:9100"]}]
     assert flag_value(command_of(compose["services"]["monitor"]), "--metrics-port") == "9100"
+    # a peer's metrics listen on 127.0.0.1 unless told otherwise: in a container, Prometheus is elsewhere
+    for service in ("peer", "monitor"):
+        assert compose["services"][service]["environment"]["PEER_METRICS_HOST"] == "0.0.0.0", service
 
 
 def dockerfile_instructions() -> List[Tuple[str, str]]:
@@ -582,3 +585,4 @@ def test_peer_toml_example_is_a_valid_config(tmp_path: Path):
     config = load_config(config_path, {}, {})
     assert config.checkpoint.checkpoint_dir == state / "checkpoints"
     assert config.dht.initial_peers
+    assert config.monitoring.metrics_host == "127.0.0.1"  # said explicitly, with what to give instead

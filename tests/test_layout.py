@@ -132,3 +132,13 @@ def test_ruff_passes() -> None:
 def test_import_linter_contracts_pass() -> None:
     result = run_tool("lint-imports", "--no-cache")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_default_checkpoint_dir_is_ignored_by_git():
+    """Following the README from the repository root writes the default checkpoint directory there."""
+    from peer.config import load_config
+
+    default = load_config().checkpoint.checkpoint_dir
+    result = subprocess.run(["git", "check-ignore", "-q", str(default / "checkpoint-000001-epoch000001.pt")],
+                            cwd=ROOT, timeout=30)
+    assert result.returncode == 0, f"{default}/ is not ignored by git"

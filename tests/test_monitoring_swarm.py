@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from monitoring.swarm_metrics import SWARM_METRICS, SwarmCollector
 from peer.testing import Swarm, until
 from tests.peers import free_port
-from tests.test_monitoring_peers import scrape, value
+from tests.test_monitoring_peers import get, scrape, value
 
 
 def snapshot(*short_ids: str) -> dict:
@@ -39,6 +39,11 @@ def test_collector_renders_the_latest_snapshot_only():
     assert registry.get_sample_value("swarm_peers") == 1
     assert registry.get_sample_value("swarm_peer_global_epoch", {"peer": "bbbbbbbb"}) is None
     assert registry.get_sample_value("swarm_peer_global_epoch", {"peer": "aaaaaaaa"}) == 3
+    assert registry.get_sample_value("swarm_global_epoch") == 3
+
+    collector.update(snapshot())  # the last peer left: a swarm with no peer has no epoch (not epoch 0)
+    assert registry.get_sample_value("swarm_peers") == 0
+    assert registry.get_sample_value("swarm_global_epoch") is None
 
 
 @pytest.mark.integration
@@ -46,10 +51,11 @@ def test_collector_renders_the_latest_snapshot_only():
 async def test_monitor_follows_peers_joining_and_leaving(tmp_path):
     async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "64", "--min-peers", "2",
                      fast=True) as swarm:
+        bootstrap = await swarm.bootstrap()  # the monitor's way in, still there once every peer has left
         first, second = await swarm.start(2)
         port = free_port()
-        swarm.run("monitor", "--initial-peers", first.address, "--metrics-port", str(port), "--refresh-seconds", "1",
-                  name="monitor")
+        swarm.run("monitor", "--initial-peers", bootstrap.address, "--metrics-port", str(port),
+                  "--refresh-seconds", "1", name="monitor")
 
         await until(lambda: value(scrape(port), "swarm_peers") == 2, 90, "the monitor to see 2 peers")
         samples = scrape(port)
@@ -61,3 +67,11 @@ async def test_monitor_follows_peers_joining_and_leaving(tmp_path):
         await until(lambda: value(scrape(port), "swarm_peers") == 1, 60, "the departed peer to vanish")
         remaining = {dict(labels)["peer"] for name, labels in scrape(port) if name == "swarm_peer_info"}
         assert remaining == {first.short_id}
+        assert get(port, "/healthz")[0] == 200
+
+        first.terminate()
+        assert await first.exit_code(timeout=30) == 0
+        await until(lambda: value(scrape(port), "swarm_peers") == 0, 60, "the last peer to vanish")
+        assert value(scrape(port), "swarm_global_epoch") is None
+        status, reason = get(port, "/healthz")
+        assert status == 503 and "no live peer in the swarm" in reason, (status, reason)

@@ -21,6 +21,7 @@ from monitoring import (
     CATEGORY_OF_PHASE,
     CONTRACT_METRIC_NAMES,
     CONTRACT_METRICS,
+    CUDA_ONLY_METRICS,
     PHASES,
     ROUND_OUTCOMES,
     BottleneckChange,
@@ -69,7 +70,7 @@ def http_get(url: str) -> tuple[int, str]:
 
 def test_every_contract_metric_is_exposed_by_a_fresh_registry_with_all_label_values():
     registry = CollectorRegistry()
-    metrics = PeerMetrics(registry)
+    metrics = PeerMetrics(registry, cuda=True)
     text = generate_latest(registry).decode()
     for name, kind in CONTRACT_METRICS.items():
         assert f"# TYPE {name} {kind}\n" in text, name
@@ -206,9 +207,17 @@ def test_process_resources_are_exported():
     assert registry.get_sample_value("process_cpu_seconds_total") >= 0
 
 
-def test_update_gpu_memory_does_nothing_without_cuda_and_reads_it_with_cuda(monkeypatch):
+def test_a_cpu_peer_exports_no_gpu_gauges():
     registry = CollectorRegistry()
     metrics = PeerMetrics(registry)
+    text = generate_latest(registry).decode()
+    assert CUDA_ONLY_METRICS and not any(name in text for name in CUDA_ONLY_METRICS)
+    assert metrics.update_gpu_memory() is False
+
+
+def test_update_gpu_memory_does_nothing_without_cuda_and_reads_it_with_cuda(monkeypatch):
+    registry = CollectorRegistry()
+    metrics = PeerMetrics(registry, cuda=True)
     monkeypatch.delitem(__import__("sys").modules, "torch", raising=False)
     assert metrics.update_gpu_memory() is False
     assert registry.get_sample_value("peer_gpu_memory_allocated_bytes") == 0
