@@ -12,7 +12,7 @@ import sys
 import threading
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 from dht.node import DHTStartCancelled, DHTStartError, check_listen_addresses, visible_maddrs
 from peer import lifeline
@@ -134,8 +134,16 @@ def metrics_url(host: str, port: Optional[int]) -> Optional[str]:
 def print_join_instructions(config: PeerConfig, dht) -> None:
     maddrs = visible_maddrs(dht)
     logger.info(f"peer id {dht.peer_id}; listening on {', '.join(maddrs)}")
-    if config.dht.client_mode or not maddrs:
-        return
+    hint = join_hint(config, maddrs)
+    if hint:
+        print(hint, flush=True)
+
+
+def join_hint(config: PeerConfig, maddrs: List[str]) -> Optional[str]:
+    """The command that joins this swarm, printed by the peer that started it (whoever joined it already knows
+    an address: `peer swarm` prints it once, not once per peer); None for a joiner or a client."""
+    if config.dht.client_mode or config.dht.initial_peers or not maddrs:
+        return None
     command = (
         f"peer start --run-id {config.training.run_id} --task {config.training.task} "
         f"--target-batch-size {config.averaging.target_batch_size}"
@@ -144,7 +152,11 @@ def print_join_instructions(config: PeerConfig, dht) -> None:
         command += f" --averaging {config.averaging.strategy}"
     if config.dht.swarm_key is not None:
         command += " --swarm-key <a copy of this swarm's key file>"
-    print(f"To join this swarm from another machine, run:\n  {command} --initial-peers {maddrs[0]}", flush=True)
+    if "/ip4/127." in maddrs[0] or "/ip6/::1/" in maddrs[0]:  # visible_maddrs puts loopback last: all are
+        return (f"To join this swarm from this machine, run:\n  {command} --initial-peers {maddrs[0]}\n"
+                f"(it listens on the loopback only; to let other machines join, start it with --host-maddrs "
+                f"/ip4/0.0.0.0/tcp/31337)")
+    return f"To join this swarm from another machine, run:\n  {command} --initial-peers {maddrs[0]}"
 
 
 def finish(config: PeerConfig, run: PeerRun, stack: ExitStack) -> None:

@@ -62,12 +62,16 @@ def _fault_plan(value: str):
 @config_options_for()
 @click.pass_context
 def swarm(ctx: click.Context, num_peers: int, summary_dir: Optional[Path], gpus: Optional[str], **params: Any) -> None:
-    """Start N peers on this machine: the first bootstraps, the rest join it."""
+    """Start N peers on this machine: the first bootstraps, the rest join it; they wait for each other
+    (--min-peers N) unless --min-peers says otherwise."""
     config = resolve_config(ctx, params)
     from peer.swarm import run_local_swarm
 
     chosen = _chosen_gpus(ctx, gpus, num_peers) if gpus is not None else []
-    ctx.exit(run_local_swarm(config, len(chosen) or num_peers, summary_dir, _start_args(ctx), chosen))
+    count, args = len(chosen) or num_peers, _start_args(ctx)
+    if "min_peers" not in config.averaging.model_fields_set:  # not given by flag, variable or file
+        args += ["--min-peers", str(count)]  # else the first peer trains alone while the others start
+    ctx.exit(run_local_swarm(config, count, summary_dir, args, chosen))
 
 
 def _chosen_gpus(ctx: click.Context, spec: str, num_peers: int) -> List[int]:

@@ -212,3 +212,19 @@ def test_installed_entry_point_reports_bad_input_without_traceback():
     assert result.returncode == 2, result.stderr
     assert "did you mean 'bytelm'" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_only_the_peer_that_starts_a_swarm_prints_how_to_join_it():
+    from peer.app import join_hint
+
+    lan, loopback = f"/ip4/192.168.1.5/tcp/40123/p2p/{PEER_ID}", f"/ip4/127.0.0.1/tcp/40123/p2p/{PEER_ID}"
+    starter = load_config(flags={"task": "bytelm-tiny"})
+    hint = join_hint(starter, [lan, loopback])
+    assert hint.startswith("To join this swarm from another machine, run:")
+    assert f"peer start --run-id swarmtrain --task bytelm-tiny --target-batch-size 4096 --initial-peers {lan}" in hint
+    # listening on the loopback only (as `peer swarm` does): another machine could not use that address
+    hint = join_hint(starter, [loopback])
+    assert hint.startswith("To join this swarm from this machine, run:") and "--host-maddrs /ip4/0.0.0.0/" in hint
+    joiner = load_config(flags={"initial_peers": lan})  # it knew an address already; `peer swarm` prints one hint
+    assert join_hint(joiner, [lan]) is None
+    assert join_hint(load_config(flags={"initial_peers": lan, "client_mode": "true"}), [lan]) is None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.events import Exited, RoundEnded, StateDownloaded
+from peer.events import Exited, RoundEnded, StateDownloaded, read_events
 from peer.testing import FAST_ENV, Swarm, load_model_state, max_parameter_difference
 from tests.peers import FAST_SWARM_ARGS
 
@@ -21,15 +21,17 @@ def read_summary(path: Path) -> dict:
 
 @pytest.mark.timeout(240)
 async def test_three_peers_train_in_lock_step(tmp_path: Path):
-    """`peer swarm`, as a user runs it: three peers that train together and end with one set of weights."""
+    """`peer swarm`, as a user runs it: three peers that train together from the first round (it waits for all of
+    them by default) and end with one set of weights; only the first prints how to join."""
     epochs = 16
     async with Swarm(tmp_path, env=FAST_ENV) as harness:  # `peer swarm` passes it on
         swarm = harness.run(
-            "swarm", "--peers", "3", *FAST_SWARM_ARGS,
-            "--min-peers", "3", "--target-batch-size", "48", "--max-epochs", str(epochs),
+            "swarm", "--peers", "3", *FAST_SWARM_ARGS, "--target-batch-size", "48", "--max-epochs", str(epochs),
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--summary-dir", str(tmp_path / "summaries"), name="swarm",
         )
         assert await swarm.exit_code(timeout=200) == 0, swarm.log_tail(4000)
+        hints = [line for line in swarm.log().splitlines() if "To join this swarm" in line]
+        assert len(hints) == 1 and hints[0].startswith("[peer-0]"), hints
 
     summaries = [read_summary(tmp_path / "summaries" / f"peer-{i}.json") for i in range(3)]
     for summary in summaries:
@@ -38,6 +40,10 @@ async def test_three_peers_train_in_lock_step(tmp_path: Path):
         assert summary["averaging_rounds"]["ok"] >= epochs // 2, summary["averaging_rounds"]
         assert summary["val_loss_last"] <= 0.7 * summary["val_loss_first"], summary
         assert summary["phase_seconds"]["forward"] > 0 and summary["phase_seconds"]["averaging"] > 0
+    for index in range(3):  # nobody trained alone first: each one's first round had a group
+        events, _ = read_events(tmp_path / "ckpt" / f"peer-{index}.events.jsonl")
+        first_round = next(event for event in events if isinstance(event, RoundEnded))
+        assert first_round.outcome != "skipped", (index, first_round)
     states = [load_model_state(tmp_path / "ckpt" / f"peer-{i}") for i in range(3)]
     assert max_parameter_difference(states[0], states[1]) <= 1e-5
     assert max_parameter_difference(states[0], states[2]) <= 1e-5
