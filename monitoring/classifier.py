@@ -33,12 +33,18 @@ ADVICE: Dict[str, str] = {
 }
 
 
+JOINING_ADVICE = ("most of it was joining the swarm (and waiting for --min-peers, and downloading its state), "
+                  "which ends once this peer has joined")
+
+
 class BottleneckChange(NamedTuple):
-    """The dominant category changed from `old` (None at the first decision) to `new`, at `fraction` of wall time."""
+    """The dominant category changed from `old` (None at the first decision) to `new`, at `fraction` of wall time;
+    `joining`: most of that was the `joining` phase and the state downloads around it, not the swarm's rounds."""
 
     old: Optional[str]
     new: str
     fraction: float
+    joining: bool = False
 
 
 class BottleneckClassifier:
@@ -69,6 +75,7 @@ class BottleneckClassifier:
         self._buckets: Deque[tuple[int, List[float]]] = deque()
         self._first_slice_started_at: Optional[float] = None
         self._dominant: Optional[str] = None
+        self._joining: Deque[tuple[float, float]] = deque(maxlen=16)  # (start, end) of the `joining` phase's slices
 
     def observe(self, phase: str, seconds: float) -> None:
         """Add a slice of `seconds` of `phase` that ended now; usable as a `PhaseTimer` listener."""
@@ -80,6 +87,8 @@ class BottleneckClassifier:
         index = CATEGORIES.index(category)
         with self._lock:
             now = self._clock()
+            if phase == "joining":
+                self._joining.append((now - seconds, now))
             start = now - seconds
             if self._first_slice_started_at is None or start < self._first_slice_started_at:
                 self._first_slice_started_at = start
@@ -118,9 +127,17 @@ class BottleneckClassifier:
             if old is not None and fractions[leader] <= fractions[old] + self.hysteresis:
                 return None
             self._dominant = leader
-            change = BottleneckChange(old, leader, fractions[leader])
+            change = BottleneckChange(old, leader, fractions[leader], self._mostly_joining(leader, fractions, now))
         logger.info(describe(change, self.window_seconds))
         return change
+
+    def _mostly_joining(self, leader: str, fractions: Dict[str, float], now: float) -> bool:
+        """Whether the `joining` phase is at least half of the window's communication time."""
+        if leader != "communication":
+            return False
+        window_start = max(now - self.window_seconds, self._first_slice_started_at)
+        joining = sum(max(0.0, min(end, now) - max(start, window_start)) for start, end in self._joining)
+        return joining >= 0.5 * fractions["communication"] * (now - window_start)
 
     def _bucket(self, index: int) -> List[float]:
         if self._buckets and self._buckets[-1][0] == index:
@@ -176,5 +193,5 @@ def describe(change: BottleneckChange, window_seconds: float) -> str:
     was = f" (bottleneck was {change.old})" if change.old is not None else ""
     return (
         f"{what} now takes {change.fraction:.0%} of wall time over the last {window_seconds:g}s{was}; "
-        f"{ADVICE[change.new]}"
+        f"{JOINING_ADVICE if change.joining else ADVICE[change.new]}"
     )

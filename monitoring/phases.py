@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional
 
-PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "averaging", "state_sync", "checkpoint")
+PHASES = ("data_wait", "h2d", "forward", "backward", "optimizer", "averaging", "state_sync", "joining", "checkpoint")
 CATEGORIES = ("preprocessing", "compute", "communication", "other")
 CATEGORY_OF_PHASE: Dict[str, str] = {
     "data_wait": "preprocessing",
@@ -22,6 +22,7 @@ CATEGORY_OF_PHASE: Dict[str, str] = {
     "optimizer": "compute",
     "averaging": "communication",
     "state_sync": "communication",
+    "joining": "communication",  # joining the DHT, waiting for --min-peers, catching up (its download: state_sync)
     "checkpoint": "other",
 }
 

@@ -96,16 +96,18 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
     averaging = config.averaging
     codec = averaging.state_compression if averaging.strategy == "local-sgd" else averaging.grad_compression
     monitoring = builder.monitoring(device, averaging.strategy, codec)
-    dht = builder.dht()
-    run.trainer = trainer = builder.training(task, device, precision, dht, monitoring, builder.display())
-    print_join_instructions(config, dht)  # once this peer is a member: its settings matched the run's manifest
-    builder.events.emit(Ready(peer_id=str(dht.peer_id), run_id=config.training.run_id, multiaddrs=visible_maddrs(dht),
-                              metrics_url=metrics_url(config.monitoring.metrics_host, monitoring.port)))
-    stop.install_handlers()  # hivemind's averagers set SIGINT to "ignore" in this process when they start
-    builder.publisher(dht, trainer, monitoring)
-    if not wait_for_min_peers(config, trainer):
-        return ExitCode.FAILED, "min_peers_timeout"
-    trainer.session.catch_up()
+    with monitoring.timer.phase("joining"):  # communication, and the advice says it passes once joined
+        dht = builder.dht()
+        run.trainer = trainer = builder.training(task, device, precision, dht, monitoring, builder.display())
+        print_join_instructions(config, dht)  # once this peer is a member: its settings matched the run's manifest
+        builder.events.emit(Ready(peer_id=str(dht.peer_id), run_id=config.training.run_id,
+                                  multiaddrs=visible_maddrs(dht),
+                                  metrics_url=metrics_url(config.monitoring.metrics_host, monitoring.port)))
+        stop.install_handlers()  # hivemind's averagers set SIGINT to "ignore" in this process when they start
+        builder.publisher(dht, trainer, monitoring)
+        if not wait_for_min_peers(config, trainer):
+            return ExitCode.FAILED, "min_peers_timeout"
+        trainer.session.catch_up()
     return ExitCode.OK, trainer.run()
 
 

@@ -32,6 +32,7 @@ from monitoring import (
     PeerMetrics,
     PhaseTimer,
 )
+from monitoring.classifier import JOINING_ADVICE, describe
 
 HTTP_TIMEOUT_SECONDS = 5.0
 
@@ -329,6 +330,22 @@ def test_a_slice_longer_than_the_window_fills_it():
     feed(classifier, clock, [("state_sync", 500.0)])
     assert classifier.fractions()["communication"] == pytest.approx(1.0)
     assert len(classifier._buckets) <= 60 + 2
+
+
+def test_a_peer_that_has_just_joined_is_told_so_not_advised_about_rounds():
+    clock = FakeClock()
+    classifier = BottleneckClassifier(window_seconds=60.0, min_window_seconds=10.0, clock=clock)
+    # 25 s starting, waiting for --min-peers and downloading the swarm's state, then training
+    feed(classifier, clock, [("joining", 20.0), ("state_sync", 5.0)] + [("forward", 0.3), ("averaging", 0.2)] * 20)
+    change = classifier.update()
+    assert change.new == "communication" and change.joining
+    assert describe(change, 60.0).endswith(JOINING_ADVICE)
+
+    feed(classifier, clock, [("forward", 0.2), ("averaging", 0.8)] * 60)  # the join is out of the window
+    classifier._dominant = None  # decide afresh
+    change = classifier.update()
+    assert change.new == "communication" and not change.joining
+    assert "--target-batch-size" in describe(change, 60.0)
 
 
 def test_a_change_is_logged_once_with_advice(caplog):
