@@ -217,11 +217,11 @@ def child_env(**extra: str) -> Dict[str, str]:
 
 def kill_session(process: subprocess.Popen, wait_seconds: float = 10.0) -> None:
     """SIGKILL a process started with start_new_session and everything in its session (DHT, p2pd,
-    averagers, data workers), then reap it with a bounded wait."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    averagers, data workers: each in a process group of its own, see peer/lifeline.py), then reap it
+    with a bounded wait."""
+    from peer.testing import signal_session
+
+    signal_session(process.pid, signal.SIGKILL)
     try:
         process.wait(wait_seconds)
     except subprocess.TimeoutExpired:

@@ -52,7 +52,8 @@ def run_peer(config: PeerConfig, faults: Optional[FaultPlan] = None) -> int:
     start_shared_memory_manager()
     stop = StopRequest()
     stop.install_handlers()
-    logger.info(f"swarmtrain {__version__}; config: {config.model_dump_json()}")  # from here on, signals stop cleanly
+    if config.logging.verbose or config.logging.log_format == "json":  # a person reads start_summary() instead
+        logger.info(f"swarmtrain {__version__}; config: {config.model_dump_json()}")
     run, stack = PeerRun(), ExitStack()
     builder = PeerBuilder(config, stop, stack, faults)
     try:
@@ -99,6 +100,8 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
     with monitoring.timer.phase("joining"):  # communication, and the advice says it passes once joined
         dht = builder.dht()
         run.trainer = trainer = builder.training(task, device, precision, dht, monitoring, builder.display())
+        logger.info(start_summary(config, sum(p.numel() for p in trainer.model.parameters()), device, precision,
+                                  metrics_url(config.monitoring.metrics_host, monitoring.port)))
         print_join_instructions(config, dht)  # once this peer is a member: its settings matched the run's manifest
         builder.events.emit(Ready(peer_id=str(dht.peer_id), run_id=config.training.run_id,
                                   multiaddrs=visible_maddrs(dht),
@@ -109,6 +112,15 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
             return ExitCode.FAILED, "min_peers_timeout"
         trainer.session.catch_up()
     return ExitCode.OK, trainer.run()
+
+
+def start_summary(config: PeerConfig, parameters: int, device, precision: str, metrics: Optional[str]) -> str:
+    """One line that says what this peer is about to do (the whole config: --verbose, or the JSON log)."""
+    averaging = config.averaging
+    return (f"swarmtrain {__version__}: run {config.training.run_id}, task {config.training.task} "
+            f"({parameters / 1e6:.2f}M parameters) on {device} ({precision}), {averaging.strategy} averaging, "
+            f"target batch {averaging.target_batch_size}, checkpoints in {config.checkpoint.checkpoint_dir}, "
+            f"metrics {metrics or 'off'}")
 
 
 def wait_for_min_peers(config: PeerConfig, trainer: Trainer) -> bool:

@@ -111,7 +111,7 @@ class PeerBuilder:
             except MetricsBindError as e:
                 raise BadInput(str(e)) from e
             self.stack.callback(exporter.stop)
-            logger.info(f"metrics on http://{config.metrics_host}:{monitoring.port}/metrics")
+            logger.debug(f"metrics on http://{config.metrics_host}:{monitoring.port}/metrics")  # in the start summary
         return monitoring
 
     def dht(self) -> hivemind.DHT:
@@ -127,6 +127,7 @@ class PeerBuilder:
     def display(self) -> ProgressDisplay:
         display = ProgressDisplay(self.config.averaging.target_batch_size)
         self.stack.callback(display.close)
+        display.route_logs()  # on a terminal, log records print above the bar instead of into it
         return display
 
     def lock_checkpoint_dir(self) -> None:

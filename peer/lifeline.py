@@ -29,9 +29,16 @@ def install() -> None:
 
 def _start_watchdog() -> None:
     # The peer's own SIGINT/SIGTERM handlers would run in the child too. Stopping is the parent's
-    # job: children ignore Ctrl+C (sent to the whole process group) and die plainly on SIGTERM.
+    # job: children ignore Ctrl+C and die plainly on SIGTERM. A terminal sends Ctrl+C to its whole
+    # foreground process group, and the p2pd daemon that the DHT process starts turns SIGINT back on
+    # (a Go program that asks for it): so children leave that group, and take their own children out
+    # of it too. Then only the peer hears Ctrl+C, and it stops the others in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # already a group leader: nothing to leave
+        pass
     parent_pid = os.getppid()
     threading.Thread(target=_watch, args=(parent_pid,), name="lifeline", daemon=True).start()
 

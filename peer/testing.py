@@ -148,12 +148,8 @@ class Peer:
         self._signal_session(signal.SIGCONT)
 
     def _signal_session(self, signum: int) -> None:
-        if self.process is None:
-            return
-        try:
-            os.killpg(self.process.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if self.process is not None:
+            signal_session(self.process.pid, signum)
 
     async def stop(self, grace_seconds: float) -> Optional[int]:
         """SIGTERM (a graceful stop), up to `grace_seconds` for it to exit, then SIGKILL whatever of its session
@@ -421,6 +417,17 @@ async def until(condition: Callable[[], T], timeout: float, what: str, interval:
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def signal_session(session_id: int, signum: int) -> None:
+    """Send `signum` to the leader of a session, then to every other live process of it, one by one: a peer's
+    children lead process groups of their own, out of a terminal's Ctrl+C (peer/lifeline.py), so signalling the
+    peer's process group would reach the peer alone."""
+    for pid in dict.fromkeys([session_id, *(process.pid for process in session_processes(session_id))]):
+        try:
+            os.kill(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def session_processes(session_id: int) -> List[psutil.Process]:

@@ -270,6 +270,7 @@ class Trainer:
         self.summary.val_loss_first = self.summary.val_loss_last = val_loss
         self.summary.global_epoch = self._epoch_finished = self.optimizer.local_epoch
         self.observer.on_joined(self.optimizer.local_epoch, self.optimizer.swarm_view().peers, val_loss)
+        self._report_swarm()  # the bar shows the epoch it joined at (after a download), not 0
         stats = EpochStats(started_at=time.monotonic())
 
         while True:
@@ -366,7 +367,7 @@ class Trainer:
 
     def _report_swarm(self) -> None:
         view = self.optimizer.swarm_view()
-        self.display.update(view.samples_accumulated, self.optimizer.local_epoch)
+        self.display.update(view.samples_accumulated, self.optimizer.local_epoch, view.swarm_samples_per_second)
         self.observer.on_swarm(view.peers, view.swarm_samples_per_second, view.progress_ratio)
 
     def _finish_epoch(self, stats: EpochStats) -> None:
@@ -380,7 +381,9 @@ class Trainer:
                              swarm_samples_per_second=view.swarm_samples_per_second, peers=max(1, view.peers))
         self.observer.on_epoch(report)
         self.display.epoch_line(epoch=epoch, train_loss=report.train_loss, val_loss=val_loss,
-                                samples_per_second=report.samples_per_second, peers=report.peers)
+                                samples_per_second=report.samples_per_second,
+                                swarm_samples_per_second=report.swarm_samples_per_second, peers=report.peers,
+                                seconds=report.seconds)
         self.faults.after_epoch(epoch)
         # every K epochs, also when a state download jumps over a multiple of K
         every, previous = self.config.checkpoint.checkpoint_every_epochs, self._epoch_finished

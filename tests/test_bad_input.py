@@ -297,7 +297,7 @@ def test_metrics_port_in_use_exits_2(tmp_path):
         result = run_peer_process(tmp_path, "--task", "bytelm-tiny", "--metrics-port", str(port))
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
-    assert f"metrics port {port} on 0.0.0.0 is already in use" in output and "Traceback" not in output
+    assert f"metrics port {port} on 127.0.0.1 is already in use" in output and "Traceback" not in output
 
 
 @pytest.mark.parametrize("command", ["status", "monitor"])
