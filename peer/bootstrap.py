@@ -20,7 +20,7 @@ import click
 
 from peer.config import OPTIONS, PeerConfig
 from peer.exit_codes import ExitCode
-from peer.options import config_options_for, resolve_config
+from peer.options import SectionedCommand, config_options_for, resolve_config
 
 logger = logging.getLogger("peer.bootstrap")
 
@@ -29,7 +29,7 @@ BOOTSTRAP_FIELDS = [*DHT_FIELDS, "run_id", "log_format", "verbose", "events"]
 LIVENESS_POLL_SECONDS = 1.0
 
 
-@click.command()
+@click.command(cls=SectionedCommand)
 @config_options_for(BOOTSTRAP_FIELDS)
 @click.option(
     "--write-maddrs",

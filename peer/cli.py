@@ -15,7 +15,7 @@ from peer.bootstrap import bootstrap
 from peer.config import OPTIONS_BY_CLI
 from peer.exit_codes import ExitCode
 from peer.monitor import monitor
-from peer.options import config_options_for, resolve_config
+from peer.options import SectionedCommand, config_options_for, resolve_config
 from peer.status import status
 
 
@@ -25,7 +25,7 @@ def cli() -> None:
     """swarmtrain: train one PyTorch model together with a swarm of peers."""
 
 
-@cli.command()
+@cli.command(cls=SectionedCommand)
 @config_options_for()
 @click.option("--inject-faults", hidden=True, default=None, help="Tests only: a FaultPlan as JSON (peer/faults.py).")
 @click.pass_context
@@ -52,7 +52,7 @@ def _fault_plan(value: str):
                                f"{', '.join(FaultPlan.model_fields)}") from None
 
 
-@cli.command(context_settings={"ignore_unknown_options": False})
+@cli.command(cls=SectionedCommand, context_settings={"ignore_unknown_options": False})
 @click.option("--peers", "num_peers", type=click.IntRange(min=1, max=64), default=2, show_default=True,
               help="How many peers to start on this machine.")
 @click.option("--summary-dir", type=click.Path(path_type=Path, file_okay=False), default=None,

@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 import tomllib
+import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,9 @@ class Option:
     is_bool: bool
     cli_name: str
     """Name on the command line and in the environment; the field name unless the field sets `cli_name`."""
+    default: Any = None
+    """The default value, for help (None: none to show)."""
+    annotation: Any = None
 
     @property
     def flag(self) -> str:
@@ -171,6 +175,47 @@ class Option:
     def dotted(self) -> str:
         return f"{self.section}.{self.name}"
 
+    @staticmethod
+    def first_sentence(text: str) -> str:
+        return re.split(r"(?<=\.)\s(?=[A-Z])", text, maxsplit=1)[0]
+
+    @property
+    def metavar(self) -> str:
+        """What the flag takes: its choices, a word for its kind and unit, or both (SECONDS|auto)."""
+        choices = [str(choice) for choice in _literal_choices(self.annotation)]
+        union = typing.get_origin(self.annotation) in (typing.Union, types.UnionType)
+        members = typing.get_args(self.annotation) if union else (self.annotation,)
+        others = [arg for arg in members if typing.get_origin(arg) is not Literal and arg is not type(None)]
+        if not others:
+            return "[" + "|".join(choices) + "]"
+        return "|".join([self._kind(others), *choices])
+
+    def _kind(self, types: list) -> str:
+        if self.name.endswith("_seconds") or "_seconds_" in self.name:
+            return "SECONDS"
+        if self.name.endswith("_port"):
+            return "PORT"
+        for kind, word in ((int, "N"), (float, "X"), (Path, "PATH")):
+            if kind in types:
+                return word
+        return "LIST" if any(typing.get_origin(kind) in (list, List) for kind in types) else "TEXT"
+
+    @property
+    def default_text(self) -> Optional[str]:
+        if self.default is None or self.default == [] or self.is_bool and self.default is False:
+            return None
+        return "on" if self.default is True else str(self.default)
+
+
+def _literal_choices(annotation: Any) -> tuple:
+    """The values of a Literal, also inside Optional/Union; () if it is none."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is Literal:
+            return typing.get_args(arg)
+    return ()
+
 
 def index_options(
     sections: Mapping[str, Type[BaseModel]],
@@ -182,7 +227,8 @@ def index_options(
     """
     options = [
         Option(section, name, field.description or "", field.annotation is bool,
-               cli_name=(field.json_schema_extra or {}).get("cli_name", name))
+               cli_name=(field.json_schema_extra or {}).get("cli_name", name),
+               default=None if field.default_factory is not None else field.default, annotation=field.annotation)
         for section, model in sections.items()
         for name, field in model.model_fields.items()
     ]

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from peer.exit_codes import ExitCode
-from peer.options import config_options_for, resolve_config
+from peer.options import READER_WORDING, SectionedCommand, config_options_for, resolve_config
 
 logger = logging.getLogger("peer.monitor")
 
@@ -23,8 +23,8 @@ MONITOR_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "swarm_key", 
                   "metrics_host", "health_window_seconds", "log_format", "verbose"]
 
 
-@click.command()
-@config_options_for(MONITOR_FIELDS)
+@click.command(cls=SectionedCommand)
+@config_options_for(MONITOR_FIELDS, wording=READER_WORDING)
 @click.option("--refresh-seconds", type=click.FloatRange(min=0.5), default=5.0, show_default=True,
               help="How often to read the swarm's records.")
 @click.option("--timeout-seconds", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
@@ -57,7 +57,7 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
 
     lifeline.install()
     setup_logging(config.logging.log_format, config.logging.verbose)
-    stop = StopRequest()
+    stop = StopRequest(first_signal_does="leaving the swarm")
     stop.install_handlers()
     registry = CollectorRegistry()
     collector = SwarmCollector(clock=time.monotonic)

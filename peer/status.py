@@ -20,7 +20,7 @@ import click
 
 from peer.config import PeerConfig
 from peer.exit_codes import ExitCode
-from peer.options import config_options_for, resolve_config
+from peer.options import READER_WORDING, SectionedCommand, config_options_for, resolve_config
 
 STATUS_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "swarm_key", "target_batch_size", "verbose"]
 SHORT_ID_CHARS = 8
@@ -30,8 +30,8 @@ class SwarmUnreachable(Exception):
     """The swarm could not be joined or read in time; the message is one line."""
 
 
-@click.command()
-@config_options_for(STATUS_FIELDS)
+@click.command(cls=SectionedCommand)
+@config_options_for(STATUS_FIELDS, wording=READER_WORDING)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: {\"swarm\": {...}, \"peers\": [...]}.")
 @click.option("--watch", type=click.FloatRange(min=0.5), default=None, metavar="SECONDS",
               help="Refresh every SECONDS until Ctrl+C.")

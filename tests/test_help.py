@@ -1,0 +1,50 @@
+"""`--help` reads like a manual: flags by section, with what they take and their defaults; `--help-all` has the rest."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from peer.cli import cli
+from peer.config import OPTIONS_BY_CLI
+from peer.options import SHOWN_ORDER, TUNING
+
+SECTION = re.compile(r"^([A-Z][a-z ]+):$", re.M)
+
+
+def help_of(*args: str) -> str:
+    result = CliRunner().invoke(cli, [*args], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_start_help_lists_the_common_flags_by_section_with_choices_and_defaults():
+    text = help_of("start", "--help")
+    assert SECTION.findall(text) == ["Options", *SHOWN_ORDER]
+    assert "--averaging [sync|local-sgd|powersgd|diloco]" in text
+    assert re.search(r"--matchmaking-seconds SECONDS\|auto\s+How long", text)
+    assert re.search(r"--target-batch-size N\s+Samples the whole swarm .*\s+.*\[default: 4096\]", text)
+    assert "--metrics-port PORT|off" in text and "[default: 127.0.0.1]" in text
+    assert text.count("[env:") == 1 and "VALUE" not in text  # only --config says its variable here
+    for option in OPTIONS_BY_CLI.values():  # each flag is listed here, or counted as one for --help-all
+        listed = re.search(rf"^  {option.flag}[ /\n]", text, re.M) is not None
+        assert listed == (option.cli_name not in TUNING), option.flag
+    assert f"--help-all also lists {len(TUNING)} flags" in text
+    assert len(text.splitlines()) < 130  # was 288 lines of one flat list at this width
+
+
+def test_help_all_gives_every_flag_its_description_variable_and_config_key():
+    text = " ".join(help_of("start", "--help-all").split())  # unwrapped
+    for option in OPTIONS_BY_CLI.values():
+        assert option.flag in text
+        assert f"[env: {option.env}; config: {option.dotted}]" in text, option.flag
+    assert "--help-all also lists" not in text
+
+
+@pytest.mark.parametrize("command", ["status", "monitor"])
+def test_commands_that_read_a_swarm_describe_initial_peers_as_such(command):
+    text = " ".join(help_of(command, "--help").split())
+    assert "--initial-peers LIST Comma-separated multiaddrs of any peers or bootstrap nodes of the swarm" in text
+    assert "empty starts a new swarm" not in text
+    assert "empty starts a new swarm" in " ".join(help_of("start", "--help").split())
