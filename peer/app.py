@@ -12,14 +12,14 @@ import sys
 import threading
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 from dht.node import DHTStartCancelled, DHTStartError, check_listen_addresses, visible_maddrs
 from peer import lifeline
 from peer.builder import PeerBuilder
 from peer.checkpoint import CheckpointError
 from peer.config import PeerConfig
-from peer.device import resolve_device, resolve_precision
+from peer.device import describe_device, resolve_device, resolve_precision
 from peer.events import EventLog, Exited, Ready
 from peer.exit_codes import BadInput, ExitCode
 from peer.faults import FaultPlan
@@ -102,7 +102,8 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
         run.trainer = trainer = builder.training(task, device, precision, dht, monitoring, builder.display())
         logger.info(start_summary(config, sum(p.numel() for p in trainer.model.parameters()), device, precision,
                                   metrics_url(config.monitoring.metrics_host, monitoring.port)))
-        print_join_instructions(config, dht)  # once this peer is a member: its settings matched the run's manifest
+        # once this peer is a member (its settings matched the run's manifest); above the bar, on a terminal
+        print_join_instructions(config, dht, trainer.display.print)
         builder.events.emit(Ready(peer_id=str(dht.peer_id), run_id=config.training.run_id,
                                   multiaddrs=visible_maddrs(dht),
                                   metrics_url=metrics_url(config.monitoring.metrics_host, monitoring.port)))
@@ -118,9 +119,15 @@ def start_summary(config: PeerConfig, parameters: int, device, precision: str, m
     """One line that says what this peer is about to do (the whole config: --verbose, or the JSON log)."""
     averaging = config.averaging
     return (f"swarmtrain {__version__}: run {config.training.run_id}, task {config.training.task} "
-            f"({parameters / 1e6:.2f}M parameters) on {device} ({precision}), {averaging.strategy} averaging, "
+            f"({parameters / 1e6:.2f}M parameters) on {_device_name(device)} ({precision}), "
+            f"{averaging.strategy} averaging, "
             f"target batch {averaging.target_batch_size}, checkpoints in {config.checkpoint.checkpoint_dir}, "
             f"metrics {metrics or 'off'}")
+
+
+def _device_name(device) -> str:
+    name = describe_device(device)
+    return name if name == str(device) else f"{name} ({device})"
 
 
 def wait_for_min_peers(config: PeerConfig, trainer: Trainer) -> bool:
@@ -145,12 +152,12 @@ def metrics_url(host: str, port: Optional[int]) -> Optional[str]:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
 
-def print_join_instructions(config: PeerConfig, dht) -> None:
+def print_join_instructions(config: PeerConfig, dht, show: Callable[[str], None]) -> None:
     maddrs = visible_maddrs(dht)
     logger.info(f"peer id {dht.peer_id}; listening on {', '.join(maddrs)}")
     hint = join_hint(config, maddrs)
     if hint:
-        print(hint, flush=True)
+        show(hint)
 
 
 def join_hint(config: PeerConfig, maddrs: List[str]) -> Optional[str]:

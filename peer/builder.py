@@ -187,7 +187,6 @@ class PeerBuilder:
                                    seed=training.seed, collate_fn=task.collate_fn, pin_memory=pinned)
         val_loader = make_loader(val_set, batch_size=batch_size, workers=0, seed=0,
                                  collate_fn=task.collate_fn, shuffle=False, pin_memory=pinned)
-        logger.info(f"training on {describe_device(device)} ({device}) in {precision}")
         trainer = Trainer(
             config, task, model, optimizer, train_loader, val_loader, device=device, session=session, rounds=rounds,
             store=store, stop=self.stop, timer=monitoring.timer, display=display, on_progress=monitoring.health.beat,

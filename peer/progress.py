@@ -23,6 +23,8 @@ def _fmt(value: Optional[float]) -> str:
 def _duration(seconds: Optional[float]) -> str:
     if seconds is None:
         return "?"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
     seconds = int(round(seconds))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
@@ -75,8 +77,8 @@ class ProgressDisplay:
         self._replaced_handlers, root.handlers[:] = list(root.handlers), [self._log_handler]
 
     def print(self, line: str) -> None:
-        if self._progress is not None:
-            self._progress.console.print(line, highlight=False, markup=False)
+        if self._progress is not None:  # long lines are left to the terminal to wrap: addresses stay whole
+            self._progress.console.print(line, highlight=False, markup=False, soft_wrap=True)
         else:
             print(line, flush=True)
 
