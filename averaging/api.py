@@ -132,6 +132,11 @@ class SwarmOptimizer(Protocol):
     def load_state_from_peers(self) -> bool:
         """Download the swarm's newest state, with bounded attempts; True if a peer's state was loaded."""
 
+    def load_state_from_donor_ahead(self) -> bool:
+        """If another peer offers a state at this peer's epoch or later, download it now; True if one was loaded.
+        For a peer apart from the swarm at its last epoch: the peers that are done may have stopped reporting
+        progress, but they still offer their state."""
+
     def offer_final_state(self) -> bool:
         """Rank this peer's state first among donors at its epoch, once its updates are applied; True once
         the swarm can see that (leaving peers whose last round failed then download from this one)."""

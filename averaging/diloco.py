@@ -316,6 +316,9 @@ class DiLoCoOptimizer:
             return self.local_epoch != self.tracker.global_epoch
         return self.local_epoch < self.tracker.global_epoch - 1
 
+    def load_state_from_donor_ahead(self) -> bool:
+        return self._donors().ahead and self.load_state_from_peers()
+
     def _donors(self) -> DonorView:
         return donor_view(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
 

@@ -211,6 +211,9 @@ class SyncOptimizer(hivemind.Optimizer):
         self.averaging_timeout = deadlines.averaging_timeout_seconds
         set_matchmaking_window((self.state_averager, self.grad_averager), deadlines.matchmaking_seconds)
 
+    def load_state_from_donor_ahead(self) -> bool:
+        return self._donors().ahead and self.load_state_from_peers()
+
     def _donors(self) -> DonorView:
         return donor_view(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
 

@@ -63,6 +63,7 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
     collector = SwarmCollector(clock=time.monotonic)
     registry.register(collector)
     health = HealthCheck(config.monitoring.health_window_seconds)
+    health.degrade("no live peer in the swarm")  # until a read of the swarm shows one
     exporter = MetricsExporter(registry, config.monitoring.metrics_port, config.monitoring.metrics_host, health=health)
     dht = None
     try:

@@ -122,6 +122,8 @@ class SwarmSession:
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
         progress = read_by_owner(self.dht, self.keys.progress)  # fresh: the tracker's view may lag
         apart = last_round_outcome in APART or self.optimizer.apart
+        if apart and self.optimizer.load_state_from_donor_ahead():
+            apart = False  # it holds a state that a peer at this epoch offered: that peer's final one
         if apart and may_have_final_state(epoch, progress, self.me):
             self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING))
             offers = self._take_final_state(epoch, give_up_at=now + matchmaking + timeout)

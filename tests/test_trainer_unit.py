@@ -119,6 +119,9 @@ class FakeOptimizer:
             self.hooks.state_loaded(self._epoch)
         return self.download_succeeds
 
+    def load_state_from_donor_ahead(self) -> bool:
+        return False
+
     def offer_final_state(self) -> bool:
         self.calls.append("offer_final_state")
         return True
@@ -318,7 +321,7 @@ def test_run_stops_at_max_epochs_after_validating_each_epoch_and_leaves_with_the
     assert rig.summary.global_epoch == 3
     assert (rig.summary.local_steps, rig.summary.samples) == (steps, steps * BATCH)
     assert rig.summary.train_loss == rig.observer.steps[-1][1]
-    assert rig.observer.swarm_peers == [3] * steps
+    assert rig.observer.swarm_peers == [3] * (steps + 1)  # once as it joins, then after every step
     assert rig.summary.averaging_rounds == {"ok": 1, "partial": 0, "failed": 1, "timeout": 1, "skipped": 0}
     assert not same_tensors(parameters_of(rig.model), initial)  # the optimizer's steps trained the model
     assert rig.checkpoint_epochs() == [2]
