@@ -175,10 +175,6 @@ class Option:
     def dotted(self) -> str:
         return f"{self.section}.{self.name}"
 
-    @staticmethod
-    def first_sentence(text: str) -> str:
-        return re.split(r"(?<=\.)\s(?=[A-Z])", text, maxsplit=1)[0]
-
     @property
     def metavar(self) -> str:
         """What the flag takes: its choices, a word for its kind and unit, or both (SECONDS|auto)."""

@@ -11,6 +11,7 @@ description, the PEER_* variable and the config-file key.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
@@ -91,7 +92,7 @@ class SectionedCommand(click.Command):
 
 def _describe(option: Option, text: str, full: bool) -> str:
     if not full:
-        text = Option.first_sentence(text)
+        text = re.split(r"(?<=\.)\s(?=[A-Z])", text, maxsplit=1)[0]  # the first sentence
     if option.default_text is not None:
         text += f" [default: {option.default_text}]"
     if full:

@@ -19,6 +19,7 @@ from averaging.donor import (
     offer_state,
 )
 from tests.peers import wait_until
+from tests.test_averaging_inprocess import start_dhts
 
 EPOCH = 7
 
@@ -27,11 +28,8 @@ EPOCH = 7
 def donors(count: int):
     """`count` averagers at EPOCH, each holding its index as its state."""
     hivemind_compat.install()
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    dhts, averagers = [first], []
+    dhts, averagers = start_dhts(count), []
     try:
-        dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                              initial_peers=[str(a) for a in first.get_visible_maddrs()]) for _ in range(count - 1)]
         for index, dht in enumerate(dhts):
             averager = hivemind.averaging.DecentralizedAverager(
                 [torch.full((16,), float(index))], dht, prefix="donors", min_matchmaking_time=1.0, start=True)
