@@ -59,6 +59,11 @@ def has_final_state_elsewhere(epoch: int, progress: Mapping[bytes, object], me: 
     return any(owner != me and (_epoch(record) or -1) >= epoch for owner, record in progress.items())
 
 
+def has_peer_behind(epoch: int, progress: Mapping[bytes, object], me: bytes) -> bool:
+    """Whether another peer is one epoch behind `epoch`: a straggler that may download this peer's state."""
+    return any(owner != me and _epoch(record) == epoch - 1 for owner, record in progress.items())
+
+
 def may_have_final_state(epoch: int, progress: Mapping[bytes, object], me: bytes) -> bool:
     """Whether another peer has reached `epoch`, or may be in its last round toward it (one epoch behind):
     a peer whose own last round failed at once can reach the last epoch before its group has averaged."""

@@ -38,6 +38,7 @@ from peer.leaving import (
     Source,
     final_state_source,
     has_final_state_elsewhere,
+    has_peer_behind,
     leave_record,
     may_have_final_state,
     needs_of_others,
@@ -122,8 +123,10 @@ class SwarmSession:
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
         progress = read_by_owner(self.dht, self.keys.progress)  # fresh: the tracker's view may lag
         apart = last_round_outcome in APART or self.optimizer.apart
-        if apart and self.optimizer.load_state_from_donor_ahead():
-            apart = False  # it holds a state that a peer at this epoch offered: that peer's final one
+        # peers that finished first may have stopped reporting progress, but they still offer their state; with a
+        # straggler behind, an offer at this epoch may be this peer's own state, served to it: then ask as below
+        if apart and not has_peer_behind(epoch, progress, self.me) and self.optimizer.load_state_from_donor_ahead():
+            apart = False
         if apart and may_have_final_state(epoch, progress, self.me):
             self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING))
             offers = self._take_final_state(epoch, give_up_at=now + matchmaking + timeout)

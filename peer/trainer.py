@@ -276,6 +276,8 @@ class Trainer:
         while True:
             if training.max_epochs is not None and self.optimizer.local_epoch >= training.max_epochs:
                 self.observer.on_leaving("max_epochs")
+                # a round still in flight (local-sgd's last parameter round) reports its outcome once it has landed
+                self.optimizer.wait_for_background_updates()
                 self.session.leave_at_last_epoch(self.rounds.last_outcome)
                 return "max_epochs"
             if training.max_seconds is not None and time.monotonic() - started >= training.max_seconds:

@@ -8,6 +8,7 @@ from peer.leaving import (
     Source,
     final_state_source,
     has_final_state_elsewhere,
+    has_peer_behind,
     leave_record,
     may_have_final_state,
     needs_of_others,
@@ -93,3 +94,10 @@ def test_a_peer_done_without_an_offer_or_behind_is_not_waited_for():
     assert final_state_source(10, records, {A: leave_record(10, DONE, offers=False)}, ME) is Source.OFFER
     stale_offer = {A: leave_record(9, DONE, offers=True)}  # from an earlier epoch: a is silent at 10
     assert final_state_source(10, records, stale_offer, ME) is Source.WAIT
+
+
+def test_a_peer_one_epoch_behind_is_a_straggler_that_may_download_this_peers_state():
+    me, other = b"me", b"other"
+    assert has_peer_behind(10, {me: {"epoch": 10}, other: {"epoch": 9}}, me)
+    assert not has_peer_behind(10, {me: {"epoch": 9}, other: {"epoch": 10}}, me)  # this peer's own record
+    assert not has_peer_behind(10, {other: {"epoch": 8}}, me) and not has_peer_behind(10, {}, me)
