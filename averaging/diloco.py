@@ -311,6 +311,8 @@ class DiLoCoOptimizer:
             return False
         if self.rounds.take_resync(self._donors, self._become_reference):
             return True
+        if self.rounds.behind_after_settling(self.local_epoch, self.swarm_view):
+            return True
         if self._check_sync_on_next_step and self.tracker.fetched_global_progress_this_epoch.is_set():
             self._check_sync_on_next_step = False
             return self.local_epoch != self.tracker.global_epoch
@@ -330,6 +332,7 @@ class DiLoCoOptimizer:
         self._inner_steps = self._samples = self._samples_stepped = 0
         self.tracker.update_epoch(new_epoch=self.local_epoch)
         self._check_sync_on_next_step = True
+        self.rounds.entered_epoch()
         if not self.client_mode:
             self.state_averager.state_sharing_priority = self.local_epoch
 

@@ -11,6 +11,12 @@
   as when a reducer died: the apart peer with the smallest id becomes the reference and the others
   download its state, instead of trading states at random. After two timeouts, a peer that has
   still seen no donor goes on with its own state.
+- Settling: hivemind groups peers of different epochs. A peer that joined a round of the epoch after
+  its own leaves it one epoch behind the others for good, with other parameters, while upstream
+  checks only once, right after the transition, when the others may not have reported their new
+  epoch yet. So the check is made again SETTLE_SECONDS later, on a fresh read of the swarm's
+  progress: no peer can finish another round that soon (a round takes a matchmaking window), so a
+  swarm already ahead then means this peer is out of step, and it downloads.
 - Deadlines: with 'auto', they are chosen again after every epoch from the swarm's rate.
 - Exclusion: the watch that turns reducers' verdicts into excluded peers runs as long as the rounds.
 - State downloads: a bounded number of attempts instead of hivemind's `while True`, and after a
@@ -36,6 +42,8 @@ logger = logging.getLogger(__name__)
 LOAD_STATE_ATTEMPTS = 3
 DOWNLOAD_BACKOFF_SECONDS = (2.0, 60.0)
 DONOR_CHECK_SECONDS = 0.5  # a pending resync reads the DHT's donors at most this often
+SETTLE_SECONDS = 0.5  # after its own transition, a peer checks this much later that the swarm is not ahead
+FRESH_READ_SECONDS = 2.0  # how long that check waits for a fresh read of the swarm's progress
 
 
 class RoundKeeper:
@@ -50,6 +58,7 @@ class RoundKeeper:
         self._training_thread = threading.current_thread()
         self._apart_since: Optional[float] = None
         self._next_donor_check = float("-inf")
+        self._settled_check_at: Optional[float] = None
         self._failed_downloads, self._next_download_at = 0, float("-inf")
         self.clock = time.monotonic
 
@@ -109,6 +118,23 @@ class RoundKeeper:
             logger.warning("no peer offers a state from a whole averaging round: "
                            "this peer goes on with its own state")
             self._apart_since = None
+        return False
+
+    def entered_epoch(self) -> None:
+        """This peer moved to a new epoch through its own round: check once, a little later, that it is in step."""
+        self._settled_check_at = self.clock() + SETTLE_SECONDS
+
+    def behind_after_settling(self, local_epoch: int, swarm_view: Callable[[float], SwarmView]) -> bool:
+        """Whether the swarm is ahead of this peer, SETTLE_SECONDS after it entered `local_epoch` (once per
+        epoch; `swarm_view(timeout)` reads the swarm's progress afresh)."""
+        if self._settled_check_at is None or self.clock() < self._settled_check_at:
+            return False
+        self._settled_check_at = None
+        swarm_epoch = swarm_view(FRESH_READ_SECONDS).global_epoch
+        if local_epoch < swarm_epoch:
+            logger.info(f"the swarm is at epoch {swarm_epoch} just after this peer entered epoch {local_epoch} "
+                        f"(its last round was another epoch's): downloading the swarm's state")
+            return True
         return False
 
     def retune(self, view: SwarmView) -> Optional[Deadlines]:

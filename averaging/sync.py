@@ -136,6 +136,8 @@ class SyncOptimizer(hivemind.Optimizer):
 
     def _update_global_epoch(self, grad_scaler) -> None:
         super()._update_global_epoch(grad_scaler)  # which declares this peer's new epoch as its donor priority
+        if self.use_gradient_averaging:  # with local updates (local-sgd), peers reach an epoch at their own pace
+            self.rounds.entered_epoch()
         if self.rounds.apart:
             declare_apart((self.state_averager, self.grad_averager), self.local_epoch)
         retuned = self.rounds.retune(self.swarm_view())
@@ -195,7 +197,9 @@ class SyncOptimizer(hivemind.Optimizer):
     def _should_load_state_from_peers(self) -> bool:
         if not self.rounds.download_allowed():
             return False
-        return self.rounds.take_resync(self._donors, self._become_reference) or super()._should_load_state_from_peers()
+        return (self.rounds.take_resync(self._donors, self._become_reference)
+                or self.rounds.behind_after_settling(self.local_epoch, self.swarm_view)
+                or super()._should_load_state_from_peers())
 
     # --- helpers -------------------------------------------------------------------------------
 

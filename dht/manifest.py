@@ -21,8 +21,9 @@ from dht.records import RunManifest, read_live
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-"""Raise it whenever peers of two versions of this daemon can no longer train together."""
+PROTOCOL_VERSION = 2
+"""Raise it whenever peers of two versions of this daemon can no longer train together, or read each other's
+records (2: PeerInfo carries val_loss, a field the schema of version 1 refuses)."""
 MANIFEST_TTL_SECONDS = 600.0
 """How long a copy lives after its holder last refreshed it: a swarm that pauses briefly keeps its manifest."""
 REFRESH_PERIOD_SECONDS = 60.0

@@ -14,6 +14,7 @@ Every node of a run (peers, bootstrap nodes, `peer status`) installs the same va
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Callable, Dict, List, Optional, Type, Union
 
@@ -22,7 +23,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
-from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictInt, confloat, conint, conlist, constr
+from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictInt, confloat, conint, conlist, constr, validator
 
 from dht.keys import SwarmKeys, peers_key
 
@@ -49,6 +50,14 @@ class PeerInfo(BaseModel):
     maddrs: conlist(constr(strict=True, max_length=256), max_items=16) = []
     fractions: Dict[constr(strict=True, max_length=32), confloat(ge=0.0, le=1.0, strict=True)] = {}
     bottleneck: Optional[constr(strict=True, max_length=32)] = None
+    val_loss: Optional[StrictFloat] = None
+    """The peer's last validation loss (the monitor's page charts it); finite, or None before the first."""
+
+    @validator("val_loss")
+    def _finite_val_loss(cls, value: Optional[float]) -> Optional[float]:  # noqa: N805 (pydantic's signature)
+        if value is not None and not math.isfinite(value):
+            raise ValueError("val_loss must be finite")
+        return value
 
 
 class SwarmRecordsSchema(BaseModel):

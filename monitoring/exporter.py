@@ -1,9 +1,10 @@
-"""HTTP endpoint of a peer: `GET /metrics` (Prometheus text format) and `GET /healthz`.
+"""HTTP endpoint of a peer: `GET /metrics` (Prometheus text format) and `GET /healthz`, plus any extra
+pages it is given (the monitor's swarm page).
 
 It serves one given `CollectorRegistry` (never prometheus_client's global one) from a
 daemon thread, so a stuck scrape can never keep the process alive or block training.
-It must not compute metrics or decide health itself: it renders the registry and asks
-the health callable it was given.
+It must not compute metrics or decide health itself: it renders the registry, asks
+the health callable it was given, and serves what each extra route returns.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import socket
 import socketserver
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -26,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 HealthFn = Callable[[], Tuple[bool, str]]
 """Returns (ok, reason); `/healthz` answers 200 "ok" when ok, else 503 with the reason."""
+
+Route = Callable[[], Tuple[bytes, str]]
+"""An extra page: returns (body, content type), called on every GET of its path."""
 
 STOP_TIMEOUT_SECONDS = 5.0
 
@@ -48,6 +52,7 @@ class MetricsExporter:
         port: int,
         host: str = "0.0.0.0",
         health: Optional[HealthFn] = None,
+        routes: Optional[Dict[str, Route]] = None,
     ) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"metrics port must be an integer in 0..65535, 0 for any free port (got {port!r})")
@@ -55,6 +60,7 @@ class MetricsExporter:
         self.port = port
         self.host = host
         self.health: HealthFn = health if health is not None else _always_healthy
+        self.routes: Dict[str, Route] = dict(routes or {})
         self._server: Optional[ThreadingHTTPServer] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -136,22 +142,25 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = 10  # seconds a client may take to send its request
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            self._metrics()
-        elif path == "/healthz":
+        path, exporter = self.path.split("?", 1)[0], self.server.exporter
+        if path == "/healthz":
             self._healthz()
+        elif path == "/metrics":
+            self._render(path, lambda: (generate_latest(exporter.registry), CONTENT_TYPE_LATEST))
+        elif path in exporter.routes:
+            self._render(path, exporter.routes[path])
         else:
-            self._reply(404, b"not found; try /metrics or /healthz\n")
+            paths = ", ".join(["/metrics", "/healthz", *exporter.routes])
+            self._reply(404, f"not found; try {paths}\n".encode())
 
-    def _metrics(self) -> None:
+    def _render(self, path: str, route: Route) -> None:
         try:
-            body = generate_latest(self.server.exporter.registry)
-        except Exception as e:  # a broken collector must not kill the endpoint
-            logger.exception("rendering /metrics failed")
-            self._reply(500, f"rendering metrics failed: {type(e).__name__}\n".encode())
+            body, content_type = route()
+        except Exception as e:  # a broken collector or page must not kill the endpoint
+            logger.exception("rendering %s failed", path)
+            self._reply(500, f"rendering {path} failed: {type(e).__name__}\n".encode())
             return
-        self._reply(200, body, CONTENT_TYPE_LATEST)
+        self._reply(200, body, content_type)
 
     def _healthz(self) -> None:
         try:

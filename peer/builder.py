@@ -9,6 +9,7 @@ the benchmarks assemble peers with it.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -211,6 +212,7 @@ class PeerBuilder:
             time=time.time(),
             fractions={k: float(v) for k, v in classifier.fractions().items()},
             bottleneck=classifier.dominant,
+            val_loss=_finite_or_none(trainer.summary.val_loss_last),
         ))
         publisher.start()
         self.stack.callback(publisher.stop)
@@ -269,3 +271,8 @@ class PeerBuilder:
     def _leave_dht(self, dht: hivemind.DHT) -> None:
         self._quiet_hivemind(dht)
         shutdown_dht(dht)
+
+
+def _finite_or_none(value: Optional[float]) -> Optional[float]:
+    """A diverged peer's NaN loss is published as unknown: the record's schema takes finite values only."""
+    return float(value) if value is not None and math.isfinite(value) else None

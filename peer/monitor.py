@@ -2,9 +2,9 @@
 
 Joins the DHT as a client, reads every peer's record and the run's progress every few
 seconds (the same snapshot as `peer status --json`), and serves it on /metrics with the
-swarm_* metrics of monitoring.swarm_metrics. /healthz is 503 when the swarm could not be
-read for longer than the health window, and while it has no live peer. Runs until SIGINT/SIGTERM,
-then exits 0.
+swarm_* metrics of monitoring.swarm_metrics, and as a live page at / for people who run no
+Grafana (monitoring.swarm_page). /healthz is 503 when the swarm could not be read for longer
+than the health window, and while it has no live peer. Runs until SIGINT/SIGTERM, then exits 0.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
     from dht.node import quiet_dht_logs, shutdown_dht
     from monitoring import HealthCheck, MetricsBindError, MetricsExporter
     from monitoring.swarm_metrics import SwarmCollector
+    from monitoring.swarm_page import SwarmPage
     from peer import lifeline
     from peer.logs import setup_logging, silence_hivemind
     from peer.signals import StopRequest
@@ -64,7 +65,9 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
     registry.register(collector)
     health = HealthCheck(config.monitoring.health_window_seconds)
     health.degrade("no live peer in the swarm")  # until a read of the swarm shows one
-    exporter = MetricsExporter(registry, config.monitoring.metrics_port, config.monitoring.metrics_host, health=health)
+    page = SwarmPage(health, refresh_seconds)
+    exporter = MetricsExporter(registry, config.monitoring.metrics_port, config.monitoring.metrics_host, health=health,
+                               routes=page.routes())
     dht = None
     try:
         try:
@@ -72,13 +75,15 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
         except MetricsBindError as e:
             click.echo(f"error: {e}", err=True)
             return ExitCode.BAD_INPUT
-        logger.info(f"swarm metrics on http://{config.monitoring.metrics_host}:{port}/metrics")
+        url = f"http://{config.monitoring.metrics_host}:{port}"
+        logger.info(f"swarm page on {url}/ and swarm metrics on {url}/metrics")
         dht, claims = join_as_client(config, timeout_seconds), claim_filter(config)
         stop.install_handlers()  # hivemind may have replaced SIGINT while starting
         while not stop:
             try:
                 snapshot = read_swarm(dht, config, timeout_seconds, claims)
                 collector.update(snapshot)
+                page.update(snapshot)
                 health.beat()
                 if snapshot["peers"]:
                     health.recover()

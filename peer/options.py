@@ -51,6 +51,8 @@ SHOWN_ORDER = ("Run and task", "Network", "Averaging", "Compression", "Untrusted
 READER_WORDING = {
     "initial_peers": "Comma-separated multiaddrs of any peers or bootstrap nodes of the swarm to read (this or "
                      "--initial-peers-file is required).",
+    "target_batch_size": "The swarm's target batch, for its progress and ETA when the run's manifest cannot be "
+                         "read (the manifest's target is used when it can).",
 }
 """How `peer status` and `peer monitor` describe the flags they share with `peer start`."""
 

@@ -131,7 +131,10 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> 
         if info.peer_id not in latest or info.time > latest[info.peer_id].time:
             latest[info.peer_id] = info
     peers = [describe_peer(info, now) for info in sorted(latest.values(), key=lambda info: info.peer_id)]
-    swarm = swarm_totals(progress, config.averaging.target_batch_size, dht_now)
+    # the run's own target, from its manifest: the reader's --target-batch-size is only a fallback
+    target = manifest.settings.get("target_batch_size") if manifest is not None else None
+    swarm = swarm_totals(progress, target if isinstance(target, int) and target > 0 else
+                         config.averaging.target_batch_size, dht_now)
     swarm["run_id"] = run_id
     swarm["peers"] = len(peers)
     swarm["samples_per_second"] = round(float(sum(peer["samples_per_second"] for peer in peers)), 3)
@@ -207,6 +210,7 @@ def describe_peer(info, now: float) -> Dict[str, Any]:
         "epoch": info.global_epoch,
         "bottleneck": info.bottleneck,
         "fractions": info.fractions,
+        "val_loss": info.val_loss,
         "uptime_seconds": round(info.uptime_seconds, 1),
         "last_seen_seconds": round(max(0.0, now - info.time), 1),
     }

@@ -33,6 +33,7 @@ from monitoring.metrics import CONTRACT_METRICS
 from monitoring.swarm_metrics import SWARM_METRICS
 from peer.testing import Peer, Swarm, until
 from tests.peers import FAST_SWARM_ARGS, REPO_ROOT, wait_until
+from tests.system_tools import system_tool
 
 DEPLOY = REPO_ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
@@ -41,7 +42,6 @@ DASHBOARD_DIR = DEPLOY / "grafana" / "dashboards"
 GENERATOR = DEPLOY / "grafana" / "generate_dashboards.py"
 UNIT_FILE = DEPLOY / "systemd" / "peer.service"
 SERVICES = {"bootstrap", "peer", "monitor", "prometheus", "grafana"}
-APT_TIMEOUT_SECONDS = 150  # under the suite's 240 s per-test timeout, which covers fixture setup
 TOOL_TIMEOUT_SECONDS = 60
 LOCAL_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1 never goes via a proxy
 GRAFANA_INTERVAL = "30s"  # stands in for $__rate_interval and friends when querying Prometheus directly
@@ -54,26 +54,6 @@ CUDA_ONLY_PANELS = {
 
 
 # --- system tools ------------------------------------------------------------------------
-
-def system_tool(binary: str, package: str) -> str:
-    """Path of `binary`, installing Debian's `package` first when missing and we are root; else skip."""
-    found = shutil.which(binary)
-    if found:
-        return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip(f"{binary} is missing and cannot be installed here (needs root and apt-get): "
-                    f"install the Debian package {package!r}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "-o", "DPkg::Lock::Timeout=60", "install", "-y", "--no-install-recommends", package]
-    for command in (install, ["apt-get", "-o", "DPkg::Lock::Timeout=60", "update"], install):
-        try:
-            result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=APT_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
-            pytest.skip(f"{' '.join(command)} took over {APT_TIMEOUT_SECONDS}s; install {package!r} by hand")
-        if command is install and result.returncode == 0 and shutil.which(binary):
-            return shutil.which(binary)
-    pytest.skip(f"apt-get could not install {package!r} for {binary}: {result.stderr.strip()[-500:]}")
-
 
 @pytest.fixture(scope="session")
 def docker_compose() -> str:

@@ -161,3 +161,12 @@ def test_forger_cannot_overwrite_or_pollute_across_real_nodes(victim):
     finally:
         shutdown_dht(forging_node)
         shutdown_dht(honest)
+
+
+def test_validation_loss_is_optional_and_finite(victim):
+    assert peer_info()["val_loss"] is None  # before the first validation
+    validators = chain(victim)
+    assert validators.validate(signed_record(victim, victim.local_public_key, peer_info(val_loss=2.5)))
+    for loss in (float("nan"), float("inf")):  # the page charts it: a diverged peer publishes None instead
+        diverged = {**peer_info(), "val_loss": loss}
+        assert not validators.validate(signed_record(victim, victim.local_public_key, diverged))

@@ -18,10 +18,10 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
 from averaging import completeness, hivemind_compat
-from averaging.api import AveragingHooks, RoundReport
+from averaging.api import AveragingHooks, RoundReport, SwarmView
 from averaging.deadlines import AdaptiveDeadlines
 from averaging.donor import DonorView
-from averaging.rounds import DONOR_CHECK_SECONDS, RoundKeeper
+from averaging.rounds import DONOR_CHECK_SECONDS, FRESH_READ_SECONDS, SETTLE_SECONDS, RoundKeeper
 from tests.test_averaging_inprocess import run_in_threads, start_dhts
 
 SIZE = 2 * 2**17  # hivemind gives each of the two reducers a half (smaller vectors go to one)
@@ -186,3 +186,26 @@ def test_a_whole_round_or_a_lone_peer_needs_no_download(outcome, others_present)
     keeper.finish_round(RoundReport(outcome, 1.0, 2), others_present=others_present)
     assert not keeper.apart
     assert not keeper.take_resync(lambda: AHEAD, never_reference)
+
+
+def test_a_peer_that_the_swarm_is_already_ahead_of_just_after_its_transition_downloads_once():
+    """hivemind groups peers of different epochs: a peer whose round was the next epoch's stays one behind."""
+    keeper, _ = round_keeper()
+    reads = []
+
+    def swarm_at(epoch: int):
+        return lambda timeout: reads.append(timeout) or SwarmView(2, 10.0, 0, 64, global_epoch=epoch)
+
+    assert not keeper.behind_after_settling(3, swarm_at(4))  # no transition of its own yet: upstream's rules only
+    keeper.entered_epoch()
+    keeper.clock.now += SETTLE_SECONDS / 2
+    assert not keeper.behind_after_settling(3, swarm_at(4))  # the others of its round may not have reported yet
+    assert reads == []
+    keeper.clock.now += SETTLE_SECONDS / 2
+    assert keeper.behind_after_settling(3, swarm_at(4))
+    assert reads == [FRESH_READ_SECONDS]  # on a fresh read of the swarm's progress, not the tracker's last one
+    assert not keeper.behind_after_settling(3, swarm_at(4))  # once per epoch
+
+    keeper.entered_epoch()
+    keeper.clock.now += SETTLE_SECONDS
+    assert not keeper.behind_after_settling(4, swarm_at(4))  # in step
