@@ -13,7 +13,13 @@ points, so a test says what goes wrong and when, instead of patching private met
 - `stall_after_epoch` / `stall_seconds`: after reporting that global epoch, the loop stalls between two
   steps (a stop request ends the stall): past the averaging timeout, the peer misses the next round.
 
-Each of those happens once. Two more make this peer a hostile one, for all of its run:
+Each of those happens once. One more is not a fault but a test's control over the run's end:
+
+- `end_at_epoch_file`: once this file exists, the epoch it holds ends the run as --max-epochs would
+  (the lower of the two wins). A test that has made its checks ends a swarm sized for the worst load
+  with Swarm.end_soon(), and every peer still leaves at the same epoch, with the same weights.
+
+Two more make this peer a hostile one, for all of its run:
 
 - `gradient_factor`: every gradient it computes is multiplied by this (1e4: far too large; -1:
   sign-flipped, as large as an honest one and pointing the other way), and sent to the swarm;
@@ -43,6 +49,7 @@ class FaultPlan(BaseModel):
     stall_seconds: float = Field(default=0.0, ge=0, le=3600)
     gradient_factor: Optional[float] = None
     send_nan_gradients: bool = False
+    end_at_epoch_file: Optional[str] = None
 
 
 HOSTILE_PEERS = {
@@ -95,6 +102,17 @@ class FaultInjector:
         if self._hostile_factor is not None:
             return _ScaledGradient.apply(loss, self._hostile_factor)
         return loss
+
+    def max_epochs(self, configured: Optional[int]) -> Optional[int]:
+        """--max-epochs, or the epoch in the plan's end_at_epoch_file once it exists, whichever is lower."""
+        if self.plan.end_at_epoch_file is None:
+            return configured
+        try:
+            with open(self.plan.end_at_epoch_file) as file:
+                requested = int(file.read())
+        except (OSError, ValueError):  # not written yet (Swarm.end_soon writes it whole, with a rename)
+            return configured
+        return requested if configured is None else min(configured, requested)
 
     def guards_gradients(self) -> bool:
         """Whether the optimizer may drop this peer's non-finite gradients before they reach a round."""

@@ -36,6 +36,7 @@ import psutil
 import torch
 
 from peer.events import Event, Exited, Ready, latest_epoch, read_events
+from peer.faults import FaultPlan
 
 POLL_SECONDS = 0.1
 KILL_WAIT_SECONDS = 10.0
@@ -384,6 +385,25 @@ class Swarm:
     async def all_exited(self, timeout: float, peers: Optional[Sequence[Peer]] = None) -> List[int]:
         """Wait until every training peer (or those given) has exited; their exit codes."""
         return list(await asyncio.gather(*(peer.exit_code(timeout) for peer in (peers or self.training_peers))))
+
+    def ends_on_request(self) -> List[str]:
+        """Arguments for a peer whose run end_soon() can end (through the test-only --inject-faults): a test sized
+        for the worst load (--max-epochs) ends once its checks are done."""
+        return ["--inject-faults", FaultPlan(end_at_epoch_file=str(self._end_file)).model_dump_json()]
+
+    def end_soon(self, peers: Sequence[Peer], margin_epochs: int = 4) -> int:
+        """End the run of `peers` (started with ends_on_request()) `margin_epochs` after the furthest of them:
+        each reads it on its next step, long before it gets there, so all leave at that epoch, as with
+        --max-epochs. Returns that epoch."""
+        epoch = max(peer.epoch for peer in peers) + margin_epochs
+        written = self._end_file.with_suffix(".tmp")
+        written.write_text(str(epoch))
+        os.replace(written, self._end_file)  # a peer reads all of it or nothing
+        return epoch
+
+    @property
+    def _end_file(self) -> Path:
+        return self.workdir / "end-at-epoch"
 
     async def close(self) -> None:
         """Kill whatever is still running, reap it, and check that nothing of any peer survived."""

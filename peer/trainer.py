@@ -274,7 +274,8 @@ class Trainer:
         stats = EpochStats(started_at=time.monotonic())
 
         while True:
-            if training.max_epochs is not None and self.optimizer.local_epoch >= training.max_epochs:
+            max_epochs = self.faults.max_epochs(training.max_epochs)
+            if max_epochs is not None and self.optimizer.local_epoch >= max_epochs:
                 self.observer.on_leaving("max_epochs")
                 # a round still in flight (local-sgd's last parameter round) reports its outcome once it has landed
                 self.optimizer.wait_for_background_updates()

@@ -82,3 +82,15 @@ def test_the_stall_comes_after_the_planned_epoch_once_through_the_stop_aware_wai
 def test_a_bad_plan_is_refused(plan):
     with pytest.raises(ValueError):
         FaultPlan.model_validate(plan)
+
+
+def test_a_test_ends_the_run_at_the_epoch_its_file_holds_once_it_is_written(tmp_path):
+    end_file = tmp_path / "end-at-epoch"
+    faults = FaultInjector(FaultPlan(end_at_epoch_file=str(end_file)))
+    assert faults.max_epochs(30) == 30 and faults.max_epochs(None) is None  # not written yet
+    end_file.write_text("not an epoch")
+    assert faults.max_epochs(30) == 30
+    end_file.write_text("12")
+    assert faults.max_epochs(30) == 12 and faults.max_epochs(None) == 12
+    assert faults.max_epochs(8) == 8  # --max-epochs still bounds the run
+    assert FaultInjector().max_epochs(30) == 30  # without a plan, --max-epochs alone

@@ -79,10 +79,11 @@ TINY = ("--task", "bytelm-tiny")
 @pytest.mark.timeout(300)
 async def test_late_joiner_downloads_state_then_restart_resumes_from_checkpoint(tmp_path: Path):
     # enough epochs that the first two are still training when the late joiner is back from its restart (with
-    # 20, under suite load, they had finished and it trained its last epochs alone)
-    epochs = 32
-    async with Swarm(tmp_path, *TINY, "--target-batch-size", "32", "--max-epochs", str(epochs),
+    # 20, under suite load, they had finished and it trained its last epochs alone); only the bound: the run ends
+    # a few epochs after the late joiner is back
+    async with Swarm(tmp_path, *TINY, "--target-batch-size", "32", "--max-epochs", "32",
                      "--checkpoint-every-epochs", "1", fast=True) as swarm:
+        swarm.args += swarm.ends_on_request()
         first = await swarm.add("--min-peers", "2")
         second = await swarm.add("--min-peers", "2")
         await first.reach(4, timeout=120)
@@ -102,6 +103,8 @@ async def test_late_joiner_downloads_state_then_restart_resumes_from_checkpoint(
         newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a torn write
 
         await late.restart()
+        await late.wait_for(StateDownloaded, timeout=90, what="the restarted peer to catch up with the swarm")
+        epochs = swarm.end_soon([first, second, late])
         assert await swarm.all_exited(timeout=200) == [0, 0, 0]
         log = late.log()
         assert f"skipping checkpoint {newest}" in log, log[-3000:]
