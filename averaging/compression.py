@@ -26,6 +26,7 @@ from hivemind.compression import (
 from hivemind.utils.math import get_flatten_greedy_dims
 
 from averaging.config import BITSANDBYTES_INSTALL, CODECS, AveragingConfig, bitsandbytes_available
+from averaging.lowbit import TOPK_FRACTION, BlockwiseAbsmax, TopK
 
 _FIXED = {
     "none": NoCompression,
@@ -37,7 +38,8 @@ _FIXED = {
 }
 
 
-def make_codec(name: str, adaptive_threshold: int = 2**16, adaptive_large_codec: str = "uint8") -> CompressionBase:
+def make_codec(name: str, adaptive_threshold: int = 2**16, adaptive_large_codec: str = "uint8",
+               topk_fraction: float = TOPK_FRACTION) -> CompressionBase:
     """The hivemind codec for a config name. Raises ValueError naming the choices for an unknown name."""
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
@@ -52,16 +54,24 @@ def make_codec(name: str, adaptive_threshold: int = 2**16, adaptive_large_codec:
         return SizeAdaptiveCompression(
             threshold=adaptive_threshold, less=Float16Compression(), greater_equal=_FIXED[adaptive_large_codec]()
         )
+    if name in ("int8", "int4"):
+        return BlockwiseAbsmax(bits=int(name[3:]))
+    if name == "topk":
+        return TopK(topk_fraction)
     return _FIXED[name]()
+
+
+def configured_codec(config: AveragingConfig, name: str) -> CompressionBase:
+    """The codec `name` with the config's codec settings (the adaptive codec's, and the top-k fraction)."""
+    return make_codec(name, config.adaptive_compression_threshold, config.adaptive_large_codec, config.topk_fraction)
 
 
 def codecs_from_config(config: AveragingConfig) -> dict:
     """Keyword arguments for hivemind.Optimizer: grad, state-averaging and state-download codecs."""
-    args = (config.adaptive_compression_threshold, config.adaptive_large_codec)
     return dict(
-        grad_compression=make_codec(config.grad_compression, *args),
-        state_averaging_compression=make_codec(config.state_compression, *args),
-        load_state_compression=make_codec(config.load_state_compression, *args),
+        grad_compression=configured_codec(config, config.grad_compression),
+        state_averaging_compression=configured_codec(config, config.state_compression),
+        load_state_compression=configured_codec(config, config.load_state_compression),
     )
 
 
@@ -104,11 +114,10 @@ def round_payload_bytes(config: AveragingConfig, params: Sequence[torch.Tensor],
     :param opt_statistics: how many parameter-shaped optimizer tensors local-sgd averages along
     """
     params = [p.detach() for p in params]
-    args = (config.adaptive_compression_threshold, config.adaptive_large_codec)
     if config.strategy == "local-sgd":
-        codec = make_codec(config.state_compression, *args)
+        codec = configured_codec(config, config.state_compression)
         return payload_bytes(params, codec) * (1 + opt_statistics)
-    codec = make_codec(config.grad_compression, *args)
+    codec = configured_codec(config, config.grad_compression)
     if config.strategy == "powersgd":
         return payload_bytes(powersgd_factors(params, config.powersgd_rank), codec)
     return payload_bytes(params, codec)  # sync gradients, or DiLoCo pseudo-gradients: one tensor per parameter

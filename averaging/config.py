@@ -12,7 +12,7 @@ from typing import List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 STRATEGIES = ("sync", "local-sgd", "powersgd", "diloco")
-CODECS = ("none", "fp16", "scaled-fp16", "uint8", "quantile8", "blockwise8", "adaptive")
+CODECS = ("none", "fp16", "scaled-fp16", "uint8", "quantile8", "blockwise8", "int8", "int4", "topk", "adaptive")
 LARGE_CODECS = ("uint8", "quantile8", "blockwise8")
 BITSANDBYTES_INSTALL = "pip install 'swarmtrain[bitsandbytes]'"
 AUTO = "auto"
@@ -112,13 +112,18 @@ class AveragingConfig(BaseModel):
     grad_compression: str = Field(
         default="none",
         description="Codec for averaging gradients (DiLoCo: pseudo-gradients): none, fp16, scaled-fp16, uint8, "
-        "quantile8, blockwise8, adaptive.",
+        "quantile8, blockwise8, int8, int4 (blockwise absmax), topk (the largest values), adaptive.",
     )
     state_compression: str = Field(
         default="none", description="Codec for averaging parameters and optimizer statistics (same choices)."
     )
     load_state_compression: str = Field(
         default="none", description="Codec for sending state to peers that download it (same choices)."
+    )
+    topk_fraction: float = Field(
+        default=0.01, gt=0, le=1,
+        description="topk codec: the fraction of each tensor's values sent (the largest in magnitude; the rest "
+        "go as zeros).",
     )
     adaptive_compression_threshold: int = Field(
         default=2**16,

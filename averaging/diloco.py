@@ -40,7 +40,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 
 from averaging import completeness, progress
 from averaging.api import Replica, RoundReport, SwarmView
-from averaging.compression import make_codec
+from averaging.compression import configured_codec
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
@@ -86,7 +86,6 @@ class DiLoCoOptimizer:
         tracker_opts = dict(tracker_opts or {})
         self.signing_key = progress.signing_key(tracker_opts)
         self.main_parameters: List[torch.Tensor] = list(replica.params)
-        codec_args = (config.adaptive_compression_threshold, config.adaptive_large_codec)
         averager_opts = dict(averager_opts or {})
 
         # the outer state lives in host memory, in fp32, whatever the model's device and dtype
@@ -109,8 +108,8 @@ class DiLoCoOptimizer:
             min_matchmaking_time=matchmaking_floor,
             allreduce_timeout=allreduce_timeout,
             client_mode=self.client_mode,
-            compression=make_codec(config.state_compression, *codec_args),
-            state_compression=make_codec(config.load_state_compression, *codec_args),
+            compression=configured_codec(config, config.state_compression),
+            state_compression=configured_codec(config, config.load_state_compression),
             start=True,
             **averager_opts,
         )
@@ -123,7 +122,7 @@ class DiLoCoOptimizer:
             prefix=keys.diloco_outer,
             min_matchmaking_time=matchmaking_floor,
             allreduce_timeout=allreduce_timeout,
-            compression=make_codec(config.grad_compression, *codec_args),
+            compression=configured_codec(config, config.grad_compression),
             client_mode=self.client_mode,
             allow_state_sharing=False,  # it holds no state: everything a newcomer needs is in state_averager
             start=True,

@@ -22,7 +22,9 @@ averager processes inherit the patched classes at fork:
   reduces with a RobustPartReducer and refuses excluded peers in matchmaking, all-reduce and state
   sharing. An averager built without one behaves as upstream;
 - completeness: each all-reduce records the share of the average that never reached this peer, which
-  upstream only logs (averaging/completeness.py).
+  upstream only logs (averaging/completeness.py);
+- codecs: hivemind decodes a message by the name of its compression type, an enum of its own six;
+  our codecs (averaging/lowbit.py) send ids above those, registered here under names of their own.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
-from averaging import completeness, robust_allreduce
+from averaging import completeness, lowbit, robust_allreduce
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,7 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_TRACKER}._progress_fetcher": ("ed458942519098a2", "averaging/progress.py"),
     "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager.__init__":
         ("cabf7da27882b293", "averaging/compression.py"),
+    "hivemind.compression.serialization.deserialize_torch_tensor": ("74f1eed9fb9b7de3", "averaging/hivemind_compat.py"),
 }
 
 
@@ -151,6 +154,7 @@ def install() -> None:
     for name, patched in _PATCHES.items():
         owner, attribute = name.rsplit(".", 1)
         setattr(_resolve(owner), attribute, patched)
+    _register_codecs()
 
 
 def _resolve(qualified_name: str):
@@ -165,6 +169,31 @@ def _resolve(qualified_name: str):
             target = target.__dict__[attribute] if isinstance(target, type) else getattr(target, attribute)
         return target
     raise ImportError(qualified_name)
+
+
+# --- our codecs ---------------------------------------------------------------------------------
+
+_CODEC_NAMES = {codec_id: f"SWARMTRAIN_{name.upper()}" for name, codec_id in lowbit.CODEC_IDS.items()}
+_DECODERS = {"int8": lowbit.BlockwiseAbsmax(8), "int4": lowbit.BlockwiseAbsmax(4), "topk": lowbit.TopK()}
+
+
+def _register_codecs() -> None:
+    """deserialize_torch_tensor looks a decoder up by CompressionType.Name(id): teach Name our ids, and the
+    table our decoders (each reads its settings from the message's header, so one instance decodes all)."""
+    from hivemind.compression import serialization
+
+    for name, codec_id in lowbit.CODEC_IDS.items():
+        serialization._BASE_COMPRESSION_TYPES[_CODEC_NAMES[codec_id]] = _DECODERS[name]
+    enum = runtime_pb2.CompressionType
+    if getattr(enum.Name, "knows_swarmtrain_codecs", False):
+        return
+    upstream_name = enum.Name
+
+    def name_of(number: int) -> str:
+        return _CODEC_NAMES.get(number) or upstream_name(number)
+
+    name_of.knows_swarmtrain_codecs = True
+    enum.Name = name_of
 
 
 # --- numpy 2 ------------------------------------------------------------------------------------

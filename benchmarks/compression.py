@@ -40,10 +40,10 @@ from typing import Dict, List
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from averaging.config import CODECS  # noqa: E402 (after the path fix above)
 from benchmarks import common
 
 NAME = "compression"
-CODECS = ("none", "fp16", "scaled-fp16", "uint8", "quantile8", "blockwise8", "adaptive")
 
 
 def real_gradients(task_name: str, train_steps: int, samples: int, seed: int = 0):

@@ -28,7 +28,7 @@ HELP_SECTIONS: Tuple[Tuple[str, Callable[[Option], bool]], ...] = (
     ("Run and task", lambda option: option.section == "training"),
     ("Network", lambda option: option.section == "dht"),
     ("Compression", lambda option: option.section == "averaging"
-     and ("compression" in option.name or option.name.startswith(("adaptive_", "powersgd_")))),
+     and ("compression" in option.name or option.name.startswith(("adaptive_", "powersgd_", "topk_")))),
     ("Untrusted peers", lambda option: option.section == "averaging"
      and option.name.startswith(("robust_", "exclu"))),
     ("Averaging", lambda option: option.section == "averaging"),
@@ -39,7 +39,8 @@ TUNING = frozenset({
     "task_timeout_seconds", "val_batches", "seed", "announce_maddrs", "startup_timeout_seconds", "startup_attempts",
     "matchmaking_seconds_min", "matchmaking_seconds_max", "averaging_timeout_seconds_min",
     "averaging_timeout_seconds_max", "load_state_timeout_seconds", "min_peers_timeout_seconds",
-    "load_state_compression", "adaptive_compression_threshold", "adaptive_large_codec", "robust_norm_ratio",
+    "load_state_compression", "adaptive_compression_threshold", "adaptive_large_codec", "topk_fraction",
+    "robust_norm_ratio",
     "robust_min_cosine", "robust_trim_fraction", "exclude_after", "exclude_window", "exclusion_seconds",
     "keep_checkpoints", "health_window_seconds", "log_format",
 })

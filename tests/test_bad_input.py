@@ -91,6 +91,7 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "state_compression": [lambda t: "fp8"],
     "load_state_compression": [lambda t: "gzip"],
     "adaptive_compression_threshold": [lambda t: "0"],
+    "topk_fraction": [lambda t: "0", lambda t: "1.5"],
     "adaptive_large_codec": [lambda t: "fp16"],
     "offload_optimizer": [lambda t: "sometimes"],
     "delay_updates": [lambda t: "yes please"],
