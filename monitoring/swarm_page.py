@@ -18,13 +18,14 @@ import time
 from collections import deque
 from importlib import resources
 from statistics import fmean
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
+
+from monitoring.exporter import HealthFn, Route
+
+__all__ = ["HISTORY_POINTS", "SwarmPage"]
 
 HISTORY_POINTS = 2880
 """Snapshots kept for the charts: four hours at the monitor's default 5 s refresh."""
-
-HealthFn = Callable[[], Tuple[bool, str]]
-Route = Callable[[], Tuple[bytes, str]]
 
 
 class SwarmPage:
@@ -96,6 +97,3 @@ def _json_ready(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_json_ready(item) for item in value]
     return value
-
-
-__all__: List[str] = ["HISTORY_POINTS", "SwarmPage"]

@@ -91,6 +91,7 @@ class Peer:
         self.checkpoint_dir = workdir / name
         self.output, self.die_with_parent = output, die_with_parent
         self.process: Optional[subprocess.Popen] = None
+        self._left_behind: List[psutil.Process] = []  # its session's other processes when its exit was collected
         self._recent_output: Deque[str] = deque(maxlen=RECENT_OUTPUT_LINES)  # when relayed: for failure messages
         self._relay: Optional[threading.Thread] = None
         self._events: List[Event] = []  # this life's (since the last start)
@@ -100,7 +101,7 @@ class Peer:
 
     def start(self) -> "Peer":
         """Start the process (again, after it exited: same arguments, same checkpoint directory)."""
-        if self.process is not None and self.process.poll() is None:
+        if self.process is not None and self._poll() is None:
             raise RuntimeError(f"{self.name} is still running")
         self._refresh()
         self._events = []  # the events file is appended to: what an earlier life wrote stays behind the offset
@@ -117,7 +118,21 @@ class Peer:
             self._relay = threading.Thread(target=self._relay_output, args=(self.process,),
                                            name=f"{self.name}-output", daemon=True)
             self._relay.start()
+        self._left_behind = []
         return self
+
+    def _poll(self) -> Optional[int]:
+        """Its exit code, or None while it runs.
+
+        Collecting the exit frees its pid, and with it the session id, for any new process (a test suite goes
+        through Linux's 32768 pids in minutes: every thread takes one). So the processes its session still
+        holds are remembered then, and from then on only they are signalled, never whoever has the pid now.
+        """
+        running = self.process.returncode is None
+        code = self.process.poll()
+        if code is not None and running:  # just collected: the pid cannot have been given to anyone yet
+            self._left_behind = session_processes(self.process.pid)
+        return code
 
     def _relay_output(self, process: subprocess.Popen) -> None:
         for line in process.stdout:
@@ -131,7 +146,7 @@ class Peer:
 
     def send(self, signum: int) -> None:
         """Send a signal to the peer process alone (SIGTERM or SIGINT: it stops cleanly)."""
-        if self.process is not None and self.process.poll() is None:
+        if self.process is not None and self._poll() is None:
             self.process.send_signal(signum)
 
     def terminate(self) -> None:
@@ -149,8 +164,16 @@ class Peer:
         self._signal_session(signal.SIGCONT)
 
     def _signal_session(self, signum: int) -> None:
-        if self.process is not None:
+        if self.process is None:
+            return
+        if self._poll() is None:  # not collected yet (at worst a zombie): its pid and session are still its own
             signal_session(self.process.pid, signum)
+            return
+        for process in self.session_processes():
+            try:
+                process.send_signal(signum)  # psutil checks that the pid still names this very process
+            except psutil.Error:
+                pass
 
     async def stop(self, grace_seconds: float) -> Optional[int]:
         """SIGTERM (a graceful stop), up to `grace_seconds` for it to exit, then SIGKILL whatever of its session
@@ -167,7 +190,7 @@ class Peer:
         """Wait for the process to exit; its exit code. `timeout` may be math.inf (`peer swarm` waits for good)."""
         process = self._running_process()
         deadline = time.monotonic() + timeout
-        while process.poll() is None:
+        while self._poll() is None:
             if time.monotonic() >= deadline:
                 raise PeerFailed(f"{self.name} still running after {timeout:.0f}s\n{self.log_tail()}")
             await asyncio.sleep(POLL_SECONDS)
@@ -190,7 +213,11 @@ class Peer:
 
     def session_processes(self) -> List[psutil.Process]:
         """Live processes of this peer's session: the peer and everything it started."""
-        return session_processes(self.process.pid) if self.process is not None else []
+        if self.process is None:
+            return []
+        if self._poll() is None:
+            return session_processes(self.process.pid)
+        return [process for process in self._left_behind if _alive(process)]
 
     # --- events ------------------------------------------------------------------------------
 
@@ -219,7 +246,7 @@ class Peer:
     async def _until(self, condition: Callable[[], Optional[T]], timeout: float, what: str) -> T:
         deadline = time.monotonic() + timeout
         while True:
-            exited = self.process is not None and self.process.poll() is not None
+            exited = self.process is not None and self._poll() is not None
             result = condition()  # after the exit check: what it wrote just before it exited counts
             if result is not None:
                 return result
@@ -414,7 +441,7 @@ class Swarm:
         while time.monotonic() < deadline:
             for peer in self.peers:
                 if peer.process is not None:
-                    peer.process.poll()
+                    peer._poll()
             survivors = [proc for peer in self.peers for proc in peer.session_processes()]
             if not survivors:
                 return
@@ -460,6 +487,13 @@ def session_processes(session_id: int) -> List[psutil.Process]:
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     return alive
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE  # is_running: the same process
+    except psutil.Error:
+        return False
 
 
 def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
