@@ -174,7 +174,9 @@ def _resolve(qualified_name: str):
 # --- our codecs ---------------------------------------------------------------------------------
 
 _CODEC_NAMES = {codec_id: f"SWARMTRAIN_{name.upper()}" for name, codec_id in lowbit.CODEC_IDS.items()}
-_DECODERS = {"int8": lowbit.BlockwiseAbsmax(8), "int4": lowbit.BlockwiseAbsmax(4), "topk": lowbit.TopK()}
+# each decodes any message of its id (settings are in the header); hivemind also encodes a reducer's replies with them
+_DECODERS = {"int8": lowbit.BlockwiseAbsmax(8), "int4": lowbit.BlockwiseAbsmax(4),
+             "topk": lowbit.TopK(dense_replies=True)}
 
 
 def _register_codecs() -> None:

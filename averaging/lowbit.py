@@ -10,7 +10,10 @@ values: ours use ids above them (CODEC_IDS), which averaging/hivemind_compat.py 
   own block's precision, unlike uint8's one range per tensor. Per fp32 value: 1.06 bytes (int8)
   and 0.56 (int4), ratios of 0.27 and 0.14.
 - topk: the TOPK_FRACTION of values largest in magnitude, as int32 indices and fp16 values (6
-  bytes each); the rest are sent as zeros. At 1%, a ratio of 0.015.
+  bytes each); the rest are sent as zeros. At 1%, a ratio of 0.015. A reducer replies to each
+  sender with the average minus what it received from that sender, encoded with the codec
+  registered for the message's id: for topk that one is dense fp16 (TopK(dense_replies=True)),
+  since the top 1% of that correction would leave each peer mostly its own values.
 
 Values that are not finite decode as 0 (int8 and int4: with the rest of their block): a peer's
 own guard drops such gradients before a round, so only a hostile peer sends them.
@@ -33,6 +36,7 @@ from hivemind.proto import runtime_pb2
 BLOCK = 64
 TOPK_FRACTION = 0.01
 _HEADER = struct.Struct("<I")  # block size (int8, int4) or values kept (topk)
+_DENSE = 2**32 - 1  # a topk header: every value follows, as fp16 (a reducer's reply)
 
 
 def _message(codec: "CompressionBase", tensor: torch.Tensor, body: bytes, header: int) -> runtime_pb2.Tensor:
@@ -96,16 +100,19 @@ class BlockwiseAbsmax(CompressionBase):
 
 
 class TopK(CompressionBase):
-    """The `fraction` of values largest in magnitude (at least one), as int32 indices and fp16 values."""
+    """The `fraction` of values largest in magnitude (at least one), as int32 indices and fp16 values; with
+    `dense_replies`, every value as fp16 (how a reducer's replies go: see the module's docstring)."""
 
-    def __init__(self, fraction: float = TOPK_FRACTION):
+    def __init__(self, fraction: float = TOPK_FRACTION, dense_replies: bool = False):
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1] (got {fraction})")
-        self.fraction = fraction
+        self.fraction, self.dense_replies = fraction, dense_replies
         self.compression_type = CODEC_IDS["topk"]
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         values = torch.nan_to_num(tensor.detach().reshape(-1).to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
+        if self.dense_replies:
+            return _message(self, tensor, values.to(torch.float16).numpy().tobytes(), _DENSE)
         kept = min(values.numel(), max(1, math.ceil(values.numel() * self.fraction)))
         indices = values.abs().topk(kept, sorted=False).indices.sort().values  # sorted: compresses better
         body = indices.to(torch.int32).numpy().tobytes() + values[indices].to(torch.float16).numpy().tobytes()
@@ -114,6 +121,9 @@ class TopK(CompressionBase):
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         buffer = serialized_tensor.buffer
         (kept,) = _HEADER.unpack_from(buffer)
+        if kept == _DENSE:
+            dense = np.frombuffer(buffer, dtype=np.float16, offset=_HEADER.size)
+            return _restore(serialized_tensor, torch.from_numpy(dense.astype(np.float32)))
         indices = np.frombuffer(buffer, dtype=np.int32, count=kept, offset=_HEADER.size)
         values = np.frombuffer(buffer, dtype=np.float16, count=kept, offset=_HEADER.size + 4 * kept)
         dense = torch.zeros(math.prod(serialized_tensor.size), dtype=torch.float32)

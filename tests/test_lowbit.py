@@ -6,7 +6,7 @@ import math
 import hivemind
 import pytest
 import torch
-from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 
 from averaging import hivemind_compat
 from averaging.compression import make_codec, payload_bytes
@@ -85,6 +85,15 @@ def test_topk_sends_exactly_the_largest_values_and_zeros_elsewhere():
     assert round_trip(TopK(0.01), torch.randn(5)).count_nonzero() == 1  # at least one value, however small
 
 
+def test_a_reducer_replies_through_topk_densely_as_fp16():
+    """The codec registered for topk's id encodes the reducers' replies: all of the correction, at fp16."""
+    hivemind_compat.install()
+    values = gradient_like(4096)
+    reply = serialize_torch_tensor(values, CODEC_IDS["topk"])  # what a reducer does with the sender's id
+    assert len(reply.buffer) == 4 + 2 * 4096
+    assert torch.allclose(deserialize_torch_tensor(reply), values, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("name", ["int8", "int4", "topk"])
 def test_hivemind_decodes_our_codecs_by_their_ids(name):
     hivemind_compat.install()
@@ -109,8 +118,9 @@ def test_blockwise_codecs_keep_outliers_from_flattening_the_rest():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["int4", "topk"])
 def test_two_real_averagers_average_through_our_codec(name):
-    """hivemind's own all-reduce, in averager processes that inherited the registration: each peer reduces one
-    half exactly and receives the other half through the codec, so the two agree up to the codec's error."""
+    """hivemind's own all-reduce, in averager processes that inherited the registration. A peer gets back the
+    average plus what the codec lost of its own contribution (hivemind returns `average - what the reducer
+    received`, added to the peer's own values): small for int4, most of it for topk at 50%."""
     hivemind_compat.install()
     size = 2 * 2**17  # hivemind's parts are about 2**17 values: one for each of the two reducers
     values = [gradient_like(size, seed=seed) for seed in (1, 2)]
