@@ -4,10 +4,12 @@ hivemind's state download tries donors in order of their declared priority (a fl
 donor's epoch; ties are broken at random). Peers at the same epoch may hold different states: one
 whose round was partial or failed applied (partly) its own update.
 - Apart: such a peer declares its epoch minus APART_PENALTY until it has downloaded, so that it
-  ranks below every peer at its epoch whose round was whole, and it waits for a donor that declares
-  its epoch or later (averaging/rounds.py). When a reducer died mid-round, every survivor is apart:
-  then the one with the smallest peer id among those apart at the epoch becomes the reference (it
-  declares its epoch again) and the others download its state.
+  ranks below every peer at its epoch whose round was whole, and below those one epoch behind too
+  (a whole peer's declaration of its new epoch can lag its round: with a penalty of 0.5, a peer
+  downloading then could take an apart peer's state over a whole one's: likely the 1.5e-4 of one CI run), and it waits
+  for a donor that declares its epoch or later (averaging/rounds.py). When a reducer died
+  mid-round, every survivor is apart: then the one with the smallest peer id among those apart at
+  the epoch becomes the reference (it declares its epoch again) and the others download its state.
 - The final state: at the end of a run, raising the priority by DONOR_BONUS ranks a peer whose
   state is the swarm's above the others at the same epoch, and still below any peer an epoch ahead.
 """
@@ -23,7 +25,7 @@ from hivemind.averaging import DecentralizedAverager
 logger = logging.getLogger(__name__)
 
 DONOR_BONUS = 0.5
-APART_PENALTY = 0.5
+APART_PENALTY = 1.5
 VISIBLE_WITHIN_SECONDS = 5.0
 
 

@@ -92,6 +92,7 @@ class Peer:
         self.output, self.die_with_parent = output, die_with_parent
         self.process: Optional[subprocess.Popen] = None
         self._left_behind: List[psutil.Process] = []  # its session's other processes when its exit was collected
+        self._exit_seen = False
         self._recent_output: Deque[str] = deque(maxlen=RECENT_OUTPUT_LINES)  # when relayed: for failure messages
         self._relay: Optional[threading.Thread] = None
         self._events: List[Event] = []  # this life's (since the last start)
@@ -118,7 +119,7 @@ class Peer:
             self._relay = threading.Thread(target=self._relay_output, args=(self.process,),
                                            name=f"{self.name}-output", daemon=True)
             self._relay.start()
-        self._left_behind = []
+        self._left_behind, self._exit_seen = [], False
         return self
 
     def _poll(self) -> Optional[int]:
@@ -128,9 +129,9 @@ class Peer:
         through Linux's 32768 pids in minutes: every thread takes one). So the processes its session still
         holds are remembered then, and from then on only they are signalled, never whoever has the pid now.
         """
-        running = self.process.returncode is None
         code = self.process.poll()
-        if code is not None and running:  # just collected: the pid cannot have been given to anyone yet
+        if code is not None and not self._exit_seen:  # just collected (here or by Popen.send_signal's own poll):
+            self._exit_seen = True  # a pid goes back to a new process only after all the others were used
             self._left_behind = session_processes(self.process.pid)
         return code
 

@@ -104,7 +104,7 @@ async def test_late_joiner_downloads_state_then_restart_resumes_from_checkpoint(
 
         await late.restart()
         await late.wait_for(StateDownloaded, timeout=90, what="the restarted peer to catch up with the swarm")
-        epochs = swarm.end_soon([first, second, late])
+        epochs = min(32, swarm.end_soon([first, second, late]))  # --max-epochs still bounds it
         assert await swarm.all_exited(timeout=200) == [0, 0, 0]
         log = late.log()
         assert f"skipping checkpoint {newest}" in log, log[-3000:]

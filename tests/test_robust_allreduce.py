@@ -89,7 +89,7 @@ def test_honest_averagers_leave_a_scaled_contribution_out_report_it_and_refuse_t
             if tensor is not None:
                 with averager.get_tensors() as tensors:
                     tensors[0].copy_(tensor)
-        results = average_all(group, timeout=10.0)
+        results = average_all(group, timeout=20.0)  # 10 s left a part behind (a partial round) under suite load
         honest_peers = {averager.peer_id for averager in group[:PEERS - 1]}
         for gathered in results[:PEERS - 1]:
             assert set(gathered) == honest_peers  # the attacker was not in the group
