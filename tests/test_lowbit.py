@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 
-import hivemind
 import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
@@ -11,8 +10,7 @@ from hivemind.compression import CompressionInfo, deserialize_torch_tensor, seri
 from averaging import hivemind_compat
 from averaging.compression import make_codec, payload_bytes
 from averaging.lowbit import BLOCK, CODEC_IDS, BlockwiseAbsmax, TopK
-from tests.test_averaging_inprocess import start_dhts
-from tests.test_robust_allreduce import average_all
+from tests.test_robust_allreduce import average_all, averagers
 
 
 def round_trip(codec, tensor: torch.Tensor) -> torch.Tensor:
@@ -121,28 +119,16 @@ def test_two_real_averagers_average_through_our_codec(name):
     """hivemind's own all-reduce, in averager processes that inherited the registration. A peer gets back the
     average plus what the codec lost of its own contribution (hivemind returns `average - what the reducer
     received`, added to the peer's own values): small for int4, most of it for topk at 50%."""
-    hivemind_compat.install()
     size = 2 * 2**17  # hivemind's parts are about 2**17 values: one for each of the two reducers
     values = [gradient_like(size, seed=seed) for seed in (1, 2)]
     mean = (values[0] + values[1]) / 2
-    dhts = start_dhts(2)
-    group = []
-    try:
-        for dht, tensor in zip(dhts, values):
-            group.append(hivemind.averaging.DecentralizedAverager(
-                [tensor.clone()], dht, prefix=f"lowbit_{name}", target_group_size=2, min_group_size=2,
-                min_matchmaking_time=2.0, request_timeout=1.0, compression=make_codec(name, topk_fraction=0.5),
-                start=True))
+    codec = make_codec(name, topk_fraction=0.5)
+    with averagers([tensor.clone() for tensor in values], prefix=f"lowbit_{name}", compression=codec) as group:
         assert all(isinstance(result, dict) for result in average_all(group)), "the round failed"
         results = []
         for averager in group:
             with averager.get_tensors() as tensors:
                 results.append(tensors[0].clone())
-    finally:
-        for averager in group:
-            averager.shutdown()
-        for dht in dhts:
-            dht.shutdown()
     for result in results:
         assert torch.isfinite(result).all()
         assert float((result - mean).norm() / mean.norm()) < (0.2 if name == "int4" else 0.8)

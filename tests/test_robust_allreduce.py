@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import List
+from typing import List, Optional
 
 import hivemind
 import pytest
@@ -23,16 +23,19 @@ def honest_values(seed: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def averagers(values: List[torch.Tensor], defences: List[Defence]):
+def averagers(values: List[torch.Tensor], defences: Optional[List[Defence]] = None, prefix: str = "robust_test",
+              **options):
+    """One real averager per tensor, each on its own DHT in this process; `options` go to every averager."""
     hivemind_compat.install()
+    defences = defences or [None] * len(values)
     dhts = start_dhts(len(values))
     built = []
     try:
         for dht, tensor, defence in zip(dhts, values, defences):
             with building(defence):
                 built.append(hivemind.averaging.DecentralizedAverager(
-                    [tensor], dht, prefix="robust_test", target_group_size=len(values), min_group_size=2,
-                    min_matchmaking_time=2.0, request_timeout=1.0, start=True,
+                    [tensor], dht, prefix=prefix, target_group_size=len(values), min_group_size=2,
+                    min_matchmaking_time=2.0, request_timeout=1.0, start=True, **options,
                 ))
         yield built
     finally:
@@ -41,7 +44,8 @@ def averagers(values: List[torch.Tensor], defences: List[Defence]):
         for dht in dhts:
             dht.shutdown()
         for defence in defences:
-            defence.close()
+            if defence is not None:
+                defence.close()
 
 
 def average_all(group: List, timeout: float = 30.0) -> List:
