@@ -4,8 +4,9 @@
 `payload_bytes` measures what a list of tensors costs on the wire under a codec (the
 serialized buffers, as hivemind sends them), so that byte counters and the README's
 arithmetic use one number. `round_payload_bytes` says which tensors one averaging round
-of each strategy sends. This module must not start anything or touch the network. The 8-bit
-codecs decode only with averaging/hivemind_compat.py installed (a numpy 2 fix).
+of each strategy sends, and what the replies to them weigh. This module must not start anything
+or touch the network. The 8-bit codecs decode only with averaging/hivemind_compat.py installed
+(a numpy 2 fix).
 """
 from __future__ import annotations
 
@@ -108,16 +109,24 @@ def powersgd_factors(
     return sent
 
 
+def reply_codec(codec: CompressionBase) -> CompressionBase:
+    """What a reducer's replies to a contribution sent with `codec` are encoded with: the same codec, except
+    for ours (averaging/lowbit.py), which reply in dense fp16."""
+    return Float16Compression() if isinstance(codec, (BlockwiseAbsmax, TopK)) else codec
+
+
 def round_payload_bytes(config: AveragingConfig, params: Sequence[torch.Tensor], opt_statistics: int = 0) -> int:
-    """Bytes one peer contributes to one averaging round of the configured strategy (before the 2(N-1)/N factor).
+    """Bytes of one peer's contribution to one averaging round of the configured strategy, plus the replies to
+    it. In a group of N, each peer sends (N-1)/N of that, and receives as much (it reduces 1/N of everyone's).
 
     :param opt_statistics: how many parameter-shaped optimizer tensors local-sgd averages along
     """
     params = [p.detach() for p in params]
     if config.strategy == "local-sgd":
-        codec = configured_codec(config, config.state_compression)
-        return payload_bytes(params, codec) * (1 + opt_statistics)
-    codec = configured_codec(config, config.grad_compression)
-    if config.strategy == "powersgd":
-        return payload_bytes(powersgd_factors(params, config.powersgd_rank), codec)
-    return payload_bytes(params, codec)  # sync gradients, or DiLoCo pseudo-gradients: one tensor per parameter
+        codec, sent = configured_codec(config, config.state_compression), params * (1 + opt_statistics)
+    elif config.strategy == "powersgd":
+        codec = configured_codec(config, config.grad_compression)
+        sent = powersgd_factors(params, config.powersgd_rank)
+    else:  # sync gradients, or DiLoCo pseudo-gradients: one tensor per parameter
+        codec, sent = configured_codec(config, config.grad_compression), params
+    return payload_bytes(sent, codec) + payload_bytes(sent, reply_codec(codec))

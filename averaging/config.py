@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 STRATEGIES = ("sync", "local-sgd", "powersgd", "diloco")
 CODECS = ("none", "fp16", "scaled-fp16", "uint8", "quantile8", "blockwise8", "int8", "int4", "topk", "adaptive")
 LARGE_CODECS = ("uint8", "quantile8", "blockwise8")
+FEEDBACK_CODECS = ("int8", "int4", "topk")  # ours: their replies are dense fp16 (averaging/error_feedback.py)
 BITSANDBYTES_INSTALL = "pip install 'swarmtrain[bitsandbytes]'"
 AUTO = "auto"
 
@@ -105,6 +106,12 @@ class AveragingConfig(BaseModel):
         description="DiLoCo: at most this many local optimizer steps per peer per outer round (a round ends when "
         "the swarm reaches --target-batch-size; later batches of the round only count samples).",
     )
+    diloco_overlap: bool = Field(
+        default=False,
+        description="DiLoCo: average each outer round in the background while the next round's inner steps go on, "
+        "and apply its outer update when it lands (one round late, as Streaming DiLoCo does); training waits only "
+        "if a round has not landed by the end of the next.",
+    )
     outer_lr: float = Field(default=0.7, gt=0, description="DiLoCo outer (Nesterov SGD) learning rate.")
     outer_momentum: float = Field(
         default=0.9, ge=0, lt=1, description="DiLoCo outer Nesterov momentum, in [0, 1)."
@@ -124,6 +131,12 @@ class AveragingConfig(BaseModel):
         default=0.01, gt=0, le=1,
         description="topk codec: the fraction of each tensor's values sent (the largest in magnitude; the rest "
         "go as zeros).",
+    )
+    error_feedback: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Carry what a lossy --grad-compression loses in one round into the next (int8, int4 and topk, "
+        "with --averaging sync or diloco): auto turns it on for those codecs, off applies each peer's loss at once, "
+        "which leaves peers apart by it.",
     )
     adaptive_compression_threshold: int = Field(
         default=2**16,
@@ -256,12 +269,36 @@ class AveragingConfig(BaseModel):
                 f"--offload-optimizer does not work with --averaging {self.strategy} ({why}); "
                 f"drop --offload-optimizer or use --averaging sync/powersgd"
             )
+        if self.error_feedback == "on" and self.grad_compression not in FEEDBACK_CODECS:
+            raise ValueError(
+                f"--error-feedback on needs --grad-compression int8, int4 or topk (got {self.grad_compression}: "
+                f"{'it loses nothing' if self.grad_compression == 'none' else 'its replies are lossy too'}); "
+                f"pick one of those codecs or use --error-feedback auto"
+            )
+        if self.error_feedback == "on" and self.strategy not in ("sync", "diloco"):
+            why = {"local-sgd": "it averages parameters, not gradients",
+                   "powersgd": "PowerSGD carries its own error feedback"}[self.strategy]
+            raise ValueError(
+                f"--error-feedback on does not apply to --averaging {self.strategy} ({why}); "
+                f"use --error-feedback auto or --averaging sync/diloco"
+            )
+        if self.diloco_overlap and self.strategy != "diloco":
+            raise ValueError(
+                f"--diloco-overlap needs --averaging diloco (got {self.strategy}: it overlaps DiLoCo's outer rounds); "
+                f"add --averaging diloco or drop --diloco-overlap"
+            )
         if self.average_opt_statistics and self.strategy == "diloco":
             raise ValueError(
                 "--average-opt-statistics does not apply to --averaging diloco (it averages pseudo-gradients, not "
                 "state); drop --average-opt-statistics or use --averaging local-sgd"
             )
         return self
+
+    @property
+    def uses_error_feedback(self) -> bool:
+        """Whether the gradient (DiLoCo: pseudo-gradient) averager carries its codec's loss between rounds."""
+        return (self.error_feedback != "off" and self.grad_compression in FEEDBACK_CODECS
+                and self.strategy in ("sync", "diloco"))
 
     def seconds(self, name: str) -> Optional[float]:
         """A deadline as a float, or None when it is 'auto'."""

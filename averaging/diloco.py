@@ -12,6 +12,16 @@ thing everywhere. Then each peer:
    v = mu*v + delta; params -= lr*(delta + mu*v)  (torch.optim.SGD(nesterov=True) semantics);
 4. copies the result into the model, which is the next round's start.
 
+With --diloco-overlap, step 2 runs in the background: the peer launches the all-reduce of round
+t's pseudo-gradient and goes on with round t+1's inner steps from where it is. When the average
+lands (checked before every batch; at the latest at the end of round t+1, or after the averaging
+timeout), steps 3 and 4 happen one round late: the outer step moves the round-start params, and
+the model moves by as much as it would have, keeping the progress it made meanwhile
+(model += new start - old start + delta_t). Every peer of the round applies the same update, so
+peers stay equal up to their own progress since the launch, as without overlap. A peer serves
+no state while a round is in flight (a newcomer would get a start that lacks that round), and
+landing it is what wait_for_background_updates waits for (before a checkpoint, and on leaving).
+
 H (--diloco-inner-steps) is a per-peer upper bound, not the round length: the round length
 comes from the target batch (each peer takes about target / (peers x batch) inner steps). A
 peer that reaches H inner steps before the swarm reaches the target keeps counting its samples
@@ -32,10 +42,12 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import StepControl
 from hivemind.optim.progress_tracker import ProgressTracker
 
 from averaging import completeness, progress
@@ -44,6 +56,7 @@ from averaging.compression import configured_codec
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
+from averaging.error_feedback import ErrorFeedback, building
 from averaging.guards import all_finite
 from averaging.rounds import RoundKeeper, set_matchmaking_window
 from averaging.state import GuardedStateAverager
@@ -62,6 +75,20 @@ def outer_nesterov_step_(
         param.sub_(grad.add(velocity, alpha=momentum), alpha=lr)
 
 
+@dataclass
+class _Flight:
+    """An outer round under way: its all-reduce, and this peer's pseudo-gradient to fall back on."""
+
+    pseudo_grads: List[torch.Tensor]
+    started: float
+    deadline: float
+    control: Optional[StepControl] = None
+    outcome: Optional[Tuple[RoundReport, List[torch.Tensor]]] = None  # known at launch: skipped, or failed
+
+    def landed(self) -> bool:
+        return self.outcome is not None or self.control.done()
+
+
 class DiLoCoOptimizer:
     """The SwarmOptimizer Protocol for DiLoCo."""
 
@@ -75,8 +102,10 @@ class DiLoCoOptimizer:
         averager_opts: Optional[dict] = None,
         matchmaking_floor: float = 5.0,
         allreduce_timeout: float = 60.0,
+        error_feedback: Optional[ErrorFeedback] = None,
     ):
         dht, keys = replica.dht, replica.keys
+        self.error_feedback = error_feedback
         self.config, self.dht = config, dht
         self.rounds = rounds or RoundKeeper(replica.hooks, AdaptiveDeadlines(
             matchmaking_seconds=matchmaking_floor, averaging_timeout_seconds=allreduce_timeout))
@@ -116,21 +145,23 @@ class DiLoCoOptimizer:
         # hivemind initializes the inner optimizer's state with one zero-gradient step, which can move
         # the parameters (weight decay): the round starts from where the model is after that
         self._reset_round_start()
-        self.grad_averager = DecentralizedAverager(
-            averaged_tensors=[torch.zeros_like(p) for p in self.global_params],
-            dht=dht,
-            prefix=keys.diloco_outer,
-            min_matchmaking_time=matchmaking_floor,
-            allreduce_timeout=allreduce_timeout,
-            compression=configured_codec(config, config.grad_compression),
-            client_mode=self.client_mode,
-            allow_state_sharing=False,  # it holds no state: everything a newcomer needs is in state_averager
-            start=True,
-            **averager_opts,
-        )
+        with building(error_feedback):
+            self.grad_averager = DecentralizedAverager(
+                averaged_tensors=[torch.zeros_like(p) for p in self.global_params],
+                dht=dht,
+                prefix=keys.diloco_outer,
+                min_matchmaking_time=matchmaking_floor,
+                allreduce_timeout=allreduce_timeout,
+                compression=configured_codec(config, config.grad_compression),
+                client_mode=self.client_mode,
+                allow_state_sharing=False,  # it holds no state: everything a newcomer needs is in state_averager
+                start=True,
+                **averager_opts,
+            )
         self._apply_deadlines(self.rounds.deadlines.current)
         self._inner_steps = self._samples = self._samples_stepped = 0
         self._check_sync_on_next_step = True
+        self._flight: Optional[_Flight] = None  # --diloco-overlap: the round whose average has not landed yet
 
     # --- the SwarmOptimizer Protocol -----------------------------------------------------------
 
@@ -163,6 +194,8 @@ class DiLoCoOptimizer:
     def step(self, batch_size: Optional[int] = None) -> None:
         """One local batch: maybe an inner step; when the swarm reached the target batch, an outer round."""
         batch_size = batch_size if batch_size is not None else self.batch_size
+        if self._flight is not None and self._flight.landed():
+            self._land()
         if self._should_load_state_from_peers():
             self.load_state_from_peers()
             return  # these gradients were computed on parameters that were just replaced
@@ -188,10 +221,13 @@ class DiLoCoOptimizer:
 
     def load_state_from_peers(self, **kwargs) -> bool:
         """Download round-start params, outer momentum, inner optimizer state and epoch; bounded attempts."""
+        self._abandon_flight()  # the state that comes replaces what it would have updated
         with self.rounds.phase("state_sync"), self.tracker.pause_updates():
             loaded = self.rounds.download_state(
                 lambda: self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
             )
+            if loaded and self.error_feedback is not None:
+                self.error_feedback.reset()  # what this peer's old state lost is no part of the new one
             # the sender's model was somewhere inside its round; the swarm agrees on the round start
             self._load_round_start_into_model()
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
@@ -210,6 +246,8 @@ class DiLoCoOptimizer:
             "global_params": [t.clone() for t in self.global_params],
             "outer_momentum": [t.clone() for t in self.outer_momentum],
         }
+        if self.error_feedback is not None:
+            state["diloco"]["error_feedback"] = self.error_feedback.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -228,15 +266,22 @@ class DiLoCoOptimizer:
                 for mine, saved in zip(self.global_params + self.outer_momentum,
                                        outer["global_params"] + outer["outer_momentum"]):
                     mine.copy_(saved)
+        if self.error_feedback is not None:
+            self.error_feedback.load_state_dict((outer or {}).get("error_feedback"))
         self.tracker.report_local_progress(self.local_epoch, 0)
 
     def offer_final_state(self) -> bool:
         return offer_state((self.state_averager,), self.local_epoch)
 
     def wait_for_background_updates(self) -> None:
-        """Nothing runs in the background between rounds: parameters are always final."""
+        """Land the round in flight (--diloco-overlap), within its averaging timeout; without overlap, nothing
+        runs in the background between rounds."""
+        if self._flight is not None:
+            with self.rounds.phase("averaging"):
+                self._land()
 
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
+        self._abandon_flight()
         self.tracker.shutdown(min(5.0, timeout_seconds))
         for averager in (self.state_averager, self.grad_averager):
             if averager.is_alive():
@@ -249,20 +294,32 @@ class DiLoCoOptimizer:
     # --- one outer round -----------------------------------------------------------------------
 
     def _outer_round(self) -> None:
+        report = None
         with self.tracker.pause_updates():
+            if self._flight is not None:  # the previous round must land before this one is measured from it
+                with self.rounds.phase("averaging"):
+                    self._land()
             with torch.no_grad():
                 pseudo_grads = [g - p.detach().to("cpu", torch.float32)
                                 for g, p in zip(self.global_params, self.main_parameters)]
-            with self.rounds.phase("averaging"):
-                report, averaged = self._average(pseudo_grads)
-            with torch.no_grad(), self.state_averager.lock_averaged_tensors:
-                outer_nesterov_step_(
-                    self.global_params, self.outer_momentum, averaged, self.config.outer_lr, self.config.outer_momentum
-                )
-            self._load_round_start_into_model()
+            if self.config.diloco_overlap:
+                self._flight = self._launch(pseudo_grads)  # lands during the next round
+                if not self.client_mode:
+                    self.state_averager.allow_state_sharing = False
+            else:
+                with self.rounds.phase("averaging"):
+                    report, averaged = self._collect(self._launch(pseudo_grads))
+                with torch.no_grad(), self.state_averager.lock_averaged_tensors:
+                    outer_nesterov_step_(self.global_params, self.outer_momentum, averaged, self.config.outer_lr,
+                                         self.config.outer_momentum)
+                self._load_round_start_into_model()
             self.state_averager.local_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
             self._update_scheduler()
             self._start_next_round()
+        if report is not None:
+            self._round_finished(report)
+
+    def _round_finished(self, report: RoundReport) -> None:
         # others may have averaged without us: then take their state
         self.rounds.finish_round(report, others_present=self.tracker.global_progress.num_peers > 1)
         if self.rounds.apart:
@@ -271,36 +328,75 @@ class DiLoCoOptimizer:
         if retuned is not None:
             self._apply_deadlines(retuned)
 
-    def _average(self, pseudo_grads: List[torch.Tensor]) -> Tuple[RoundReport, List[torch.Tensor]]:
-        """Average pseudo-gradients with a group; on any failure, this peer's own."""
+    def _land(self) -> None:
+        """Apply the round in flight: the outer step, and the same move to the model, which keeps the progress
+        it made since the launch."""
+        flight, self._flight = self._flight, None
+        report, averaged = self._collect(flight)
+        with torch.no_grad(), self.state_averager.lock_averaged_tensors:
+            before = [start.clone() for start in self.global_params]
+            outer_nesterov_step_(self.global_params, self.outer_momentum, averaged, self.config.outer_lr,
+                                 self.config.outer_momentum)
+            for param, start, old_start, delta in zip(self.main_parameters, self.global_params, before,
+                                                      flight.pseudo_grads):
+                param.add_((start - old_start + delta).to(device=param.device, dtype=param.dtype))
+        if not self.client_mode:
+            self.state_averager.allow_state_sharing = True
+        self._round_finished(report)
+
+    def _abandon_flight(self) -> None:
+        flight, self._flight = self._flight, None
+        if flight is not None and flight.control is not None and not flight.control.done():
+            flight.control.cancel()
+        if flight is not None and not self.client_mode:
+            self.state_averager.allow_state_sharing = True
+
+    def _launch(self, pseudo_grads: List[torch.Tensor]) -> _Flight:
+        """Start averaging pseudo-gradients with a group (alone: nothing to average)."""
+        started = time.monotonic()
+        flight = _Flight(pseudo_grads, started, started + self._deadlines.averaging_timeout_seconds)
         if self.tracker.global_progress.num_peers <= 1:
-            return RoundReport("skipped", 0.0, 1, "no other peers"), pseudo_grads
-        started, timeout = time.monotonic(), self._deadlines.averaging_timeout_seconds
+            flight.outcome = RoundReport("skipped", 0.0, 1, "no other peers"), pseudo_grads
+            return flight
         with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
             for buffer, grad in zip(buffers, pseudo_grads):
                 buffer.copy_(grad)
-        control = None
         try:
             self.rounds.hooks.before_round(self.local_epoch)
             # weighted like the sync strategy's gradients: by the samples this peer took inner steps on
-            control = self.grad_averager.step(weight=float(max(1, self._samples_stepped)), timeout=timeout, wait=False)
-            gathered = control.result(timeout=timeout)
+            flight.control = self.grad_averager.step(weight=float(max(1, self._samples_stepped)),
+                                                     timeout=self._deadlines.averaging_timeout_seconds, wait=False)
+        except BaseException as e:  # hivemind raises many kinds; all of them mean "use the local delta"
+            flight.outcome = self._failed(flight, e)
+        return flight
+
+    def _collect(self, flight: _Flight) -> Tuple[RoundReport, List[torch.Tensor]]:
+        """The round's report and the average, waiting at most until its deadline; on any failure, this peer's
+        own pseudo-gradient."""
+        if flight.outcome is not None:
+            return flight.outcome
+        try:
+            gathered = flight.control.result(timeout=max(0.0, flight.deadline - time.monotonic()))
             with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
                 averaged = [buffer.clone() for buffer in buffers]
-            if not all_finite(averaged):  # a peer sent NaN/Inf: never apply it
-                logger.warning("the averaged pseudo-gradients hold NaN or Inf; using this peer's own")
-                report = RoundReport("failed", time.monotonic() - started, len(gathered), "non-finite result")
-                return report, pseudo_grads
-            report = completeness.round_report(self.grad_averager, time.monotonic() - started, len(gathered))
-            if report.outcome == "partial":  # still nearer the swarm's than this peer's own
-                logger.warning(f"outer averaging round partial ({report.reason})")
-            return report, averaged
-        except BaseException as e:  # hivemind raises many kinds; all of them mean "use the local delta"
-            if control is not None and not control.done():
-                control.cancel()
-            outcome = "timeout" if isinstance(e, TimeoutError) else "failed"
-            logger.warning(f"outer averaging round {outcome} ({e!r}); using this peer's pseudo-gradient")
-            return RoundReport(outcome, time.monotonic() - started, 1, repr(e)), pseudo_grads
+        except BaseException as e:
+            if not flight.control.done():
+                flight.control.cancel()
+            return self._failed(flight, e)
+        seconds = time.monotonic() - flight.started
+        if not all_finite(averaged):  # a peer sent NaN/Inf: never apply it
+            logger.warning("the averaged pseudo-gradients hold NaN or Inf; using this peer's own")
+            return RoundReport("failed", seconds, len(gathered), "non-finite result"), flight.pseudo_grads
+        report = completeness.round_report(self.grad_averager, seconds, len(gathered))
+        if report.outcome == "partial":  # still nearer the swarm's than this peer's own
+            logger.warning(f"outer averaging round partial ({report.reason})")
+        return report, averaged
+
+    @staticmethod
+    def _failed(flight: _Flight, error: BaseException) -> Tuple[RoundReport, List[torch.Tensor]]:
+        outcome = "timeout" if isinstance(error, TimeoutError) else "failed"
+        logger.warning(f"outer averaging round {outcome} ({error!r}); using this peer's pseudo-gradient")
+        return RoundReport(outcome, time.monotonic() - flight.started, 1, repr(error)), flight.pseudo_grads
 
     # --- helpers -------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from averaging.compression import codecs_from_config
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines
 from averaging.diloco import DiLoCoOptimizer
+from averaging.error_feedback import ErrorFeedback
 from averaging.exclusion import ExclusionBook, ExclusionRule, ExclusionWatch
 from averaging.robust import RobustPolicy
 from averaging.robust_allreduce import Defence, building
@@ -73,10 +74,11 @@ def _build(config: AveragingConfig, replica: Replica, tracker_opts: Optional[dic
     tracker_opts = dict(metadata_expiration=progress_record_ttl_seconds(config), **(tracker_opts or {}))
     # hivemind warns (and can deadlock) when a request may outlive the matchmaking window
     averager_opts = dict(request_timeout=min(3.0, matchmaking_floor / 2))
+    feedback = ErrorFeedback() if config.uses_error_feedback else None
     if config.strategy == "diloco":
         return DiLoCoOptimizer(
             config, replica, rounds=rounds, tracker_opts=tracker_opts, averager_opts=averager_opts,
-            matchmaking_floor=matchmaking_floor, allreduce_timeout=allreduce_timeout,
+            matchmaking_floor=matchmaking_floor, allreduce_timeout=allreduce_timeout, error_feedback=feedback,
         )
 
     # upstream waits one matchmaking window for a peer's next chunk, then averages without it: a peer on a
@@ -98,6 +100,7 @@ def _build(config: AveragingConfig, replica: Replica, tracker_opts: Optional[dic
         rounds=rounds,
         signing_key=signing_key,
         report_state_rounds=config.strategy == "local-sgd",
+        error_feedback=feedback,
         dht=replica.dht,
         params=replica.params,
         optimizer=replica.optimizer_factory,

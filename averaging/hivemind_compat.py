@@ -24,7 +24,9 @@ averager processes inherit the patched classes at fork:
 - completeness: each all-reduce records the share of the average that never reached this peer, which
   upstream only logs (averaging/completeness.py);
 - codecs: hivemind decodes a message by the name of its compression type, an enum of its own six;
-  our codecs (averaging/lowbit.py) send ids above those, registered here under names of their own.
+  our codecs (averaging/lowbit.py) send ids above those, registered here under names of their own;
+- error feedback: an averager built with an ErrorFeedback averages its tensors plus the residuals
+  carried, through a FeedbackPartContainer (averaging/error_feedback.py).
 """
 from __future__ import annotations
 
@@ -50,9 +52,9 @@ from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import aenumerate, as_aiter, azip
 
-from averaging import completeness, lowbit, robust_allreduce
+from averaging import completeness, error_feedback, lowbit, robust_allreduce
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ _QUANTIZATION = "hivemind.compression.quantization"
 _TRACKER = "hivemind.optim.progress_tracker.ProgressTracker"
 _MATCHMAKING = "hivemind.averaging.matchmaking.Matchmaking"
 _REDUCER = "hivemind.averaging.partition.TensorPartReducer"
+_CONTAINER = "hivemind.averaging.partition.TensorPartContainer"
 
 # qualified name -> (sha256 of its source, first 16 hex digits; the module of ours that depends on it)
 UPSTREAM: Dict[str, Tuple[str, str]] = {
@@ -90,7 +93,13 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_REDUCER}.check_current_part_finished": ("ec9b059c42f3ca27", "averaging/robust_allreduce.py"),
     f"{_REDUCER}.reset_accumulators": ("5d3dc36f344a342e", "averaging/robust_allreduce.py"),
     f"{_REDUCER}.finalize": ("dded462a11871d59", "averaging/robust_allreduce.py"),
-    "hivemind.averaging.allreduce.AllReduceRunner.__init__": ("597a0c8dbbeabbe3", "averaging/robust_allreduce.py"),
+    "hivemind.averaging.allreduce.AllReduceRunner.__init__":
+        ("597a0c8dbbeabbe3", "averaging/robust_allreduce.py, averaging/error_feedback.py"),
+    # subclassed by averaging/error_feedback.py
+    f"{_CONTAINER}.__init__": ("b652a9b7267354d8", "averaging/error_feedback.py"),
+    f"{_CONTAINER}.register_processed_part": ("ff5ebad6141c4a88", "averaging/error_feedback.py"),
+    f"{_CONTAINER}.register_failed_reducer": ("89b41b9d7f225968", "averaging/error_feedback.py"),
+    f"{_CONTAINER}.iterate_input_parts_for": ("e7a44eb8df9f9f26", "averaging/error_feedback.py"),
     # overridden by SyncOptimizer, or mimicked by DiLoCoOptimizer
     f"{_OPTIMIZER}.__init__": ("310edba41646edad", "averaging/sync.py"),
     f"{_OPTIMIZER}._make_state_averager": ("59a43eff001c3284", "averaging/sync.py"),
@@ -103,6 +112,8 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_OPTIMIZER}._should_load_state_from_peers": ("e1af5bdfc8e60b70", "averaging/sync.py, averaging/diloco.py"),
     f"{_OPTIMIZER}.load_state_from_peers": ("87030a961ecf8f7f", "averaging/sync.py"),
     f"{_OPTIMIZER}.shutdown": ("52e41b26128082bc", "averaging/sync.py"),
+    f"{_OPTIMIZER}.state_dict": ("55bd9a9e33fa57c6", "averaging/sync.py"),
+    f"{_OPTIMIZER}.load_state_dict": ("f27b8effe1d8a2d1", "averaging/sync.py"),
     # overridden by the guarded state averagers (and called with _make_state_averager's arguments)
     f"{_STATE_AVERAGER}.__init__": ("97f573400a46cdf9", "averaging/state.py"),
     f"{_STATE_AVERAGER}._apply_averaging_results_": ("32b49f6bd7088974", "averaging/state.py"),
@@ -175,8 +186,8 @@ def _resolve(qualified_name: str):
 
 _CODEC_NAMES = {codec_id: f"SWARMTRAIN_{name.upper()}" for name, codec_id in lowbit.CODEC_IDS.items()}
 # each decodes any message of its id (settings are in the header); hivemind also encodes a reducer's replies with them
-_DECODERS = {"int8": lowbit.BlockwiseAbsmax(8), "int4": lowbit.BlockwiseAbsmax(4),
-             "topk": lowbit.TopK(dense_replies=True)}
+_DECODERS = {"int8": lowbit.BlockwiseAbsmax(8, dense_replies=True),
+             "int4": lowbit.BlockwiseAbsmax(4, dense_replies=True), "topk": lowbit.TopK(dense_replies=True)}
 
 
 def _register_codecs() -> None:
@@ -329,6 +340,7 @@ _plain_get_stub = DecentralizedAverager.get_stub
 def _run_in_background_prepared(self: DecentralizedAverager, *args, **kwargs):
     # before the fork: the averager's process inherits both
     robust_allreduce.carry_defence(self)
+    error_feedback.carry(self)
     completeness.attach(self)
     return _plain_run_in_background(self, *args, **kwargs)
 
@@ -345,21 +357,35 @@ async def _run_allreduce_inplace_recorded(self: DecentralizedAverager, tensors, 
     # training process (averaging/completeness.py). A group that a leader unaware of an exclusion formed
     # with an excluded peer is not left: this peer's reducers drop what it sends, and a peer that has not
     # excluded it yet gets to judge it (leaving such groups split the swarm: the unaware peer averaged
-    # with the attacker alone).
+    # with the attacker alone). With error feedback, the runner averages x = tensors + residuals.
     defence = robust_allreduce.active
     group_id = group_info.group_id if group_id is None else group_id
     runner_class, extra = AllReduceRunner, {}
     if defence is not None:
         runner_class, extra = robust_allreduce.RobustAllReduceRunner, dict(defence=defence)
+    feedback = error_feedback.of(self)
+    if feedback is not None and not feedback.matches(tensors):
+        feedback = None  # not this averager's own tensors
+    if feedback is not None:
+        with feedback.lock:
+            carried = [residual.clone() for residual in feedback.residuals]
+        inputs = [tensor.detach().float() + residual for tensor, residual in zip(tensors, carried)]
     runner = runner_class(
-        p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
-        ordered_peer_ids=group_info.peer_ids, **extra, **kwargs,
+        p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=inputs if feedback else tensors,
+        group_id=group_id, ordered_peer_ids=group_info.peer_ids, **extra, **kwargs,
     )
+    if feedback is not None:
+        _carry_residuals(runner, inputs, carried, kwargs)
     assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
     self._running_groups[group_id].set_result(runner)
     if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-        async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update, alpha=self._averaging_alpha)
+        async for index, (tensor, update) in aenumerate(azip(as_aiter(*tensors), runner)):
+            if feedback is None:
+                tensor.add_(update, alpha=self._averaging_alpha)
+            else:  # x + update is the average; the residual of this tensor is now final
+                tensor.add_(inputs[index] + update - tensor, alpha=self._averaging_alpha)
+                with feedback.lock:
+                    feedback.residuals[index].copy_(runner.tensor_part_container.kept[index])
             self.last_updated = get_dht_time()
             self._state_updated.set()
         container = runner.tensor_part_container
@@ -367,6 +393,15 @@ async def _run_allreduce_inplace_recorded(self: DecentralizedAverager, tensors, 
     else:
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")
+
+
+def _carry_residuals(runner: AllReduceRunner, inputs, carried, kwargs) -> None:
+    """Replace the runner's part container (built in its __init__) by one that carries the residuals."""
+    own_index = runner.ordered_peer_ids.index(runner.peer_id)
+    container_options = {key: kwargs[key] for key in ("compression", "part_size_bytes") if key in kwargs}
+    runner.tensor_part_container = error_feedback.FeedbackPartContainer(
+        inputs, runner.peer_fractions, carried, own_index, **container_options)
+    runner.parts_for_local_averaging = runner.tensor_part_container.get_raw_input_parts(own_index)
 
 
 async def _rpc_join_group_refusing_excluded(

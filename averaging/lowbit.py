@@ -10,10 +10,13 @@ values: ours use ids above them (CODEC_IDS), which averaging/hivemind_compat.py 
   own block's precision, unlike uint8's one range per tensor. Per fp32 value: 1.06 bytes (int8)
   and 0.56 (int4), ratios of 0.27 and 0.14.
 - topk: the TOPK_FRACTION of values largest in magnitude, as int32 indices and fp16 values (6
-  bytes each); the rest are sent as zeros. At 1%, a ratio of 0.015. A reducer replies to each
-  sender with the average minus what it received from that sender, encoded with the codec
-  registered for the message's id: for topk that one is dense fp16 (TopK(dense_replies=True)),
-  since the top 1% of that correction would leave each peer mostly its own values.
+  bytes each); the rest are sent as zeros. At 1%, a ratio of 0.015.
+
+A reducer replies to each sender with the average minus what it received from that sender,
+encoded with the codec registered for the message's id. For all three that one replies in dense
+fp16 (`dense_replies=True`): the top 1% of that correction would leave each peer mostly its own
+values, and a quantized correction would leave peers apart by its own error, which no error
+feedback can carry (averaging/error_feedback.py).
 
 Values that are not finite decode as 0 (int8 and int4: with the rest of their block): a peer's
 own guard drops such gradients before a round, so only a hostile peer sends them.
@@ -36,7 +39,8 @@ from hivemind.proto import runtime_pb2
 BLOCK = 64
 TOPK_FRACTION = 0.01
 _HEADER = struct.Struct("<I")  # block size (int8, int4) or values kept (topk)
-_DENSE = 2**32 - 1  # a topk header: every value follows, as fp16 (a reducer's reply)
+_DENSE = 2**32 - 1  # a header: every value follows, as fp16 (a reducer's reply)
+_FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
 def _message(codec: "CompressionBase", tensor: torch.Tensor, body: bytes, header: int) -> runtime_pb2.Tensor:
@@ -50,19 +54,33 @@ def _restore(serialized: runtime_pb2.Tensor, flat: torch.Tensor) -> torch.Tensor
     return flat.reshape(tuple(serialized.size)).to(dtype)
 
 
-class BlockwiseAbsmax(CompressionBase):
-    """Blockwise absmax quantization to `bits` (8 or 4) signed levels per value."""
+def _dense_message(codec: "CompressionBase", tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    values = torch.nan_to_num(tensor.detach().reshape(-1).to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
+    half = values.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)  # beyond, fp16 is inf
+    return _message(codec, tensor, half.numpy().tobytes(), _DENSE)
 
-    def __init__(self, bits: int, block: int = BLOCK):
+
+def _dense_values(serialized: runtime_pb2.Tensor) -> torch.Tensor:
+    dense = np.frombuffer(serialized.buffer, dtype=np.float16, offset=_HEADER.size)
+    return _restore(serialized, torch.from_numpy(dense.astype(np.float32)))
+
+
+class BlockwiseAbsmax(CompressionBase):
+    """Blockwise absmax quantization to `bits` (8 or 4) signed levels per value; with `dense_replies`, every
+    value as fp16 (how a reducer's replies go: see the module's docstring)."""
+
+    def __init__(self, bits: int, block: int = BLOCK, dense_replies: bool = False):
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8 (got {bits})")
         if block <= 0 or block % 2:
             raise ValueError(f"block must be a positive even number (two int4 values share a byte; got {block})")
-        self.bits, self.block = bits, block
+        self.bits, self.block, self.dense_replies = bits, block, dense_replies
         self.levels = 2 ** (bits - 1) - 1  # 127 or 7: symmetric, so zero is exact
         self.compression_type = CODEC_IDS[f"int{bits}"]
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        if self.dense_replies:
+            return _dense_message(self, tensor)
         values = tensor.detach().reshape(-1).to(torch.float32)
         blocks = math.ceil(values.numel() / self.block)
         padded = torch.zeros(blocks * self.block, dtype=torch.float32)
@@ -82,6 +100,8 @@ class BlockwiseAbsmax(CompressionBase):
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         buffer = serialized_tensor.buffer
         (block,) = _HEADER.unpack_from(buffer)
+        if block == _DENSE:
+            return _dense_values(serialized_tensor)
         numel = math.prod(serialized_tensor.size)
         blocks = math.ceil(numel / block)
         offset = _HEADER.size
@@ -110,9 +130,9 @@ class TopK(CompressionBase):
         self.compression_type = CODEC_IDS["topk"]
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        values = torch.nan_to_num(tensor.detach().reshape(-1).to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
         if self.dense_replies:
-            return _message(self, tensor, values.to(torch.float16).numpy().tobytes(), _DENSE)
+            return _dense_message(self, tensor)
+        values = torch.nan_to_num(tensor.detach().reshape(-1).to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
         kept = min(values.numel(), max(1, math.ceil(values.numel() * self.fraction)))
         indices = values.abs().topk(kept, sorted=False).indices.sort().values  # sorted: compresses better
         body = indices.to(torch.int32).numpy().tobytes() + values[indices].to(torch.float16).numpy().tobytes()
@@ -122,8 +142,7 @@ class TopK(CompressionBase):
         buffer = serialized_tensor.buffer
         (kept,) = _HEADER.unpack_from(buffer)
         if kept == _DENSE:
-            dense = np.frombuffer(buffer, dtype=np.float16, offset=_HEADER.size)
-            return _restore(serialized_tensor, torch.from_numpy(dense.astype(np.float32)))
+            return _dense_values(serialized_tensor)
         indices = np.frombuffer(buffer, dtype=np.int32, count=kept, offset=_HEADER.size)
         values = np.frombuffer(buffer, dtype=np.float16, count=kept, offset=_HEADER.size + 4 * kept)
         dense = torch.zeros(math.prod(serialized_tensor.size), dtype=torch.float32)

@@ -14,7 +14,9 @@ What it adds to hivemind's optimizer:
 - an explicit `client_mode` is honoured (upstream replaces it with the DHT's value);
 - with 'auto' deadlines, they are chosen again after every epoch and applied where hivemind reads them;
 - with local-sgd, the parameter-averaging rounds are reported too (they are its only rounds); with sync
-  and powersgd, one that left this peer out of its group leaves it apart, as a gradient round would.
+  and powersgd, one that left this peer out of its group leaves it apart, as a gradient round would;
+- with error feedback, the gradient averager carries its codec's loss between rounds; the residuals
+  are checkpointed and dropped when state is downloaded (averaging/error_feedback.py).
 
 It overrides upstream methods; averaging/hivemind_compat.py fingerprints each of them.
 """
@@ -32,6 +34,7 @@ from averaging import completeness, progress
 from averaging.api import RoundReport, SwarmView
 from averaging.deadlines import Deadlines
 from averaging.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
+from averaging.error_feedback import ErrorFeedback, building
 from averaging.guards import all_finite
 from averaging.rounds import RoundKeeper, set_matchmaking_window
 from averaging.state import ReportingStateAverager
@@ -50,9 +53,11 @@ class SyncOptimizer(hivemind.Optimizer):
         rounds: RoundKeeper,
         signing_key: RSAPrivateKey,
         report_state_rounds: bool = False,
+        error_feedback: Optional[ErrorFeedback] = None,
         **kwargs,
     ):
         self.keys, self.rounds, self.signing_key = keys, rounds, signing_key
+        self.error_feedback = error_feedback  # before super().__init__, which builds the gradient averager
         self.report_state_rounds = report_state_rounds
         requested_client_mode = kwargs.get("client_mode")
         super().__init__(run_id=keys.namespace, **kwargs)
@@ -95,6 +100,19 @@ class SyncOptimizer(hivemind.Optimizer):
         self.rounds.report_download(loaded, self.local_epoch)
         return loaded
 
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.error_feedback is not None:
+            state["error_feedback"] = self.error_feedback.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        residuals = state_dict.pop("error_feedback", None)
+        super().load_state_dict(state_dict)
+        if self.error_feedback is not None:
+            self.error_feedback.load_state_dict(residuals)
+
     def offer_final_state(self) -> bool:
         self.wait_for_background_updates()
         return offer_state((self.state_averager, self.grad_averager), self.local_epoch)
@@ -133,6 +151,10 @@ class SyncOptimizer(hivemind.Optimizer):
             start=True,
             **kwargs,
         )
+
+    def _make_gradient_averager(self, factory, **kwargs):
+        with building(self.error_feedback):
+            return super()._make_gradient_averager(factory, **kwargs)
 
     def _update_global_epoch(self, grad_scaler) -> None:
         super()._update_global_epoch(grad_scaler)  # which declares this peer's new epoch as its donor priority
@@ -233,6 +255,8 @@ class SyncOptimizer(hivemind.Optimizer):
 
         with self.tracker.pause_updates():
             loaded = self.rounds.download_state(lambda: self._download_state(**kwargs))
+            if loaded and self.error_feedback is not None:
+                self.error_feedback.reset()  # what this peer's old state lost is no part of the new one
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
                 self.state_averager.local_epoch = self.tracker.global_epoch
             self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)

@@ -13,6 +13,11 @@ passes of the default task (`bytelm`; `bytelm-tiny` in smoke mode), after a few 
   all alive at once, rounds interleaved across codecs (forward, then reversed); each round is
   split into matchmaking and all-reduce where the group is assembled, as in allreduce_link.
 
+- error feedback: over ``--feedback-rounds`` consecutive real gradients (the task keeps training
+  between them), the error of the accumulated update, ||sum of what was received - sum of the
+  gradients|| / ||sum of the gradients||, for each lossy codec as it is and, for those error
+  feedback runs with (int8, int4, topk), with it (`averaging.error_feedback.encode_with_feedback`).
+
 On loopback the wire is nearly free, so the all-reduce time mostly shows what encoding and
 decoding cost; over a slow link the payload ratio is what matters (see allreduce_link).
 
@@ -28,6 +33,8 @@ JSON ``results``: ``task``, ``parameters``, ``fp32_bytes``, ``gradient_samples``
 ``round_seconds``, ``matchmaking_seconds``, ``allreduce_seconds`` (``{median, min, max, n}``),
 ``allreduce_over_none`` (per-round ratio to the ``none`` codec's all-reduce, ``{median, ...}``); the round
 fields are absent for codecs left out of ``--round-codecs`` (listed in ``round_codecs``).
+``feedback_rounds``, and for lossy codecs ``accumulated_error`` (without error feedback) and, for int8, int4
+and topk, ``accumulated_error_with_feedback``.
 """
 from __future__ import annotations
 
@@ -40,7 +47,7 @@ from typing import Dict, List
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from averaging.config import CODECS  # noqa: E402 (after the path fix above)
+from averaging.config import CODECS, FEEDBACK_CODECS  # noqa: E402 (after the path fix above)
 from benchmarks import common
 
 NAME = "compression"
@@ -90,11 +97,36 @@ def round_trip_errors(grads: List, codec) -> Dict[str, float]:
     return {"rel_l2_error": max(rel), "max_abs_error": worst}
 
 
+def accumulated_error(sequence: List, codec, feedback: bool) -> float:
+    """||sum of what the receivers decoded - sum of the gradients|| / ||sum of the gradients||, one codec round
+    per gradient of `sequence`, each parameter's tensor encoded on its own."""
+    import torch
+    from hivemind.compression import CompressionInfo, deserialize_torch_tensor
+
+    from averaging.error_feedback import encode_with_feedback
+
+    residuals = [torch.zeros_like(g) for g in sequence[0]]
+    meant = [torch.zeros_like(g) for g in sequence[0]]
+    received = [torch.zeros_like(g) for g in sequence[0]]
+    for sample in sequence:
+        for index, gradient in enumerate(sample):
+            if feedback:
+                decoded, residuals[index] = encode_with_feedback(gradient, residuals[index], codec)
+            else:
+                decoded = deserialize_torch_tensor(codec.compress(gradient, CompressionInfo.from_tensor(gradient)))
+            meant[index] += gradient
+            received[index] += decoded.float()
+    error = torch.cat([(r - m).flatten() for r, m in zip(received, meant)])
+    return float(error.norm() / torch.cat([m.flatten() for m in meant]).norm().clamp_min(1e-30))
+
+
 def main(argv=None) -> int:
     p = common.parser(NAME, __doc__)
     p.add_argument("--task", default=None, help="task whose gradients are used (default bytelm; smoke bytelm-tiny)")
     p.add_argument("--rounds", type=int, default=None, help="measured averaging rounds per codec")
     p.add_argument("--matchmaking-seconds", type=float, default=1.0, help="matchmaking window of every round")
+    p.add_argument("--feedback-rounds", type=int, default=None,
+                   help="consecutive gradients the error feedback comparison runs over (default 20; smoke 3)")
     p.add_argument("--round-codecs", default=None,
                    help="comma-separated codecs to time in averaging rounds (default all; smoke: none,uint8)")
     args = p.parse_args(argv)
@@ -114,7 +146,9 @@ def main(argv=None) -> int:
     from benchmarks.allreduce_worker import wait_for_group
 
     torch.set_num_threads(1)  # two averagers and two DHTs share the machine with this process
-    grads, parameters = real_gradients(task_name, train_steps, samples)
+    feedback_rounds = args.feedback_rounds or common.by_mode(mode, smoke=3, quick=20, full=20)
+    grads, parameters = real_gradients(task_name, train_steps, max(samples, feedback_rounds))
+    grads, sequence = grads[:samples], grads
     fp32_bytes = sum(g.numel() * 4 for g in grads[0])
     skipped = {}
     codecs = {}
@@ -129,6 +163,11 @@ def main(argv=None) -> int:
         size = payload_bytes(grads[0], codec)
         results[name] = {"payload_bytes": size, "payload_ratio": round(size / fp32_bytes, 4),
                          **{k: float(f"{v:.4g}") for k, v in round_trip_errors(grads, codec).items()}}
+        if name != "none":
+            results[name]["accumulated_error"] = float(f"{accumulated_error(sequence, codec, False):.4g}")
+        if name in FEEDBACK_CODECS:
+            results[name]["accumulated_error_with_feedback"] = float(
+                f"{accumulated_error(sequence, codec, True):.4g}")
 
     wanted = (args.round_codecs or common.by_mode(mode, smoke="none,uint8", quick="", full="")).split(",")
     timed = {name: codec for name, codec in codecs.items() if name in wanted or wanted == [""]}
@@ -203,16 +242,20 @@ def main(argv=None) -> int:
         "task": task_name, "parameters": parameters, "fp32_bytes": fp32_bytes, "gradient_samples": samples,
         "train_steps_before_sampling": train_steps, "rounds": rounds, "warmup_rounds": warmup,
         "matchmaking_seconds": args.matchmaking_seconds, "round_codecs": list(timed), "skipped": skipped,
-        "codecs": results,
+        "feedback_rounds": feedback_rounds, "codecs": results,
     }
     failed = sum(r.get("rounds_failed", 0) for r in results.values())
     if failed:
         run.note(f"{failed} averaging round(s) failed; see codecs.<name>.errors")
     parts = [f"{name} {row['payload_ratio']:.2f}x/err {row['rel_l2_error']:.1e}/ar "
              f"{common.fmt_ratio(row.get('allreduce_over_none', {}).get('median'))}" for name, row in results.items()]
+    feedback = [f"{name} {row['accumulated_error']:.1e} -> {row['accumulated_error_with_feedback']:.1e}"
+                for name, row in results.items() if "accumulated_error_with_feedback" in row]
     line = (f"{NAME} ({task_name} gradients, {parameters / 1e6:.2f}M params; payload vs fp32 / rel L2 error / "
             f"loopback all-reduce time vs none): " + ", ".join(parts)
-            + (f"; skipped {', '.join(skipped)}" if skipped else ""))
+            + (f"; skipped {', '.join(skipped)}" if skipped else "")
+            + f"; error of the update accumulated over {feedback_rounds} rounds, without -> with error feedback: "
+            + ", ".join(feedback))
     run.finish(document, line)
     return 0
 

@@ -22,6 +22,10 @@ def _f(value, digits: int = 3, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def _e(value) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
 def header(doc: dict) -> str:
     hw = doc["hardware"]
     return (f"Measured {doc['started_at']} ({doc['mode']} mode, {doc['wall_seconds']:.0f} s) on {hw['cpu_model']}, "
@@ -82,18 +86,22 @@ def allreduce_link(doc: dict) -> str:
 
 def compression(doc: dict) -> str:
     r = doc["results"]
-    lines = ["| codec | payload vs fp32 | rel. L2 error | max abs error | loopback all-reduce s | vs none |",
-             "|---|---|---|---|---|---|"]
+    rounds = r.get("feedback_rounds")
+    lines = ["| codec | payload vs fp32 | rel. L2 error | max abs error | loopback all-reduce s | vs none | "
+             f"error after {rounds} rounds | with error feedback |", "|---|---|---|---|---|---|---|---|"]
     for name, row in r["codecs"].items():
         ar = row.get("allreduce_seconds", {}).get("median")
         lines.append(f"| {name} | {row['payload_ratio']:.3f} | {row['rel_l2_error']:.2e} | "
                      f"{row['max_abs_error']:.2e} | "
-                     f"{_f(ar, 3)} | {_f(row.get('allreduce_over_none', {}).get('median'))} |")
+                     f"{_f(ar, 3)} | {_f(row.get('allreduce_over_none', {}).get('median'))} | "
+                     f"{_e(row.get('accumulated_error'))} | {_e(row.get('accumulated_error_with_feedback'))} |")
     for name, reason in r["skipped"].items():
-        lines.append(f"| {name} | skipped: {reason} |||||")
+        lines.append(f"| {name} | skipped: {reason} |||||||")
     return (f"Real gradients of `{r['task']}` ({r['parameters']:,} parameters, {r['fp32_bytes']:,} fp32 bytes), "
             f"worst of {r['gradient_samples']} backward passes; 2-peer rounds on 127.0.0.1, medians of "
-            f"{r['rounds']} interleaved rounds.\n\n" + "\n".join(lines))
+            f"{r['rounds']} interleaved rounds. The last two columns: the relative L2 error of the update "
+            f"accumulated over {rounds} consecutive gradients of a training run, one codec round each.\n\n"
+            + "\n".join(lines))
 
 
 def offload(doc: dict) -> str:

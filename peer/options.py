@@ -28,7 +28,8 @@ HELP_SECTIONS: Tuple[Tuple[str, Callable[[Option], bool]], ...] = (
     ("Run and task", lambda option: option.section == "training"),
     ("Network", lambda option: option.section == "dht"),
     ("Compression", lambda option: option.section == "averaging"
-     and ("compression" in option.name or option.name.startswith(("adaptive_", "powersgd_", "topk_")))),
+     and ("compression" in option.name
+          or option.name.startswith(("adaptive_", "powersgd_", "topk_", "error_feedback")))),
     ("Untrusted peers", lambda option: option.section == "averaging"
      and option.name.startswith(("robust_", "exclu"))),
     ("Averaging", lambda option: option.section == "averaging"),

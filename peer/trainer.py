@@ -100,7 +100,7 @@ class RoundTally:
 
     def __init__(self, summary: PeerSummary, observer: TrainingObserver, payload_bytes: int):
         self.summary, self.observer = summary, observer
-        self.payload_bytes = payload_bytes  # after compression: what one round moves, per peer
+        self.payload_bytes = payload_bytes  # after compression: one contribution and the replies to it
         self.last_outcome: Optional[str] = None
 
     def hooks(self, timer: PhaseTimer, faults: Optional[FaultInjector] = None) -> AveragingHooks:

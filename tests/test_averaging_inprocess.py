@@ -27,7 +27,7 @@ def start_dhts(count: int) -> List[hivemind.DHT]:
     return [first, *others]
 
 
-def make_diloco(config, dht, model, hooks: Optional[AveragingHooks] = None) -> DiLoCoOptimizer:
+def make_diloco(config, dht, model, hooks: Optional[AveragingHooks] = None, **options) -> DiLoCoOptimizer:
     return DiLoCoOptimizer(
         config,
         Replica(dht=dht, keys=SwarmKeys.for_run("diloco_math"), params=model.parameters(),
@@ -35,7 +35,7 @@ def make_diloco(config, dht, model, hooks: Optional[AveragingHooks] = None) -> D
                 batch_size=4, client_mode=False, hooks=hooks or AveragingHooks()),
         # progress records are keyed by a signing key that is process-wide by default: one per peer here
         tracker_opts=dict(private_key=RSAPrivateKey(), metadata_expiration=30.0),
-        averager_opts=dict(request_timeout=0.5), matchmaking_floor=1.0, allreduce_timeout=20.0,
+        averager_opts=dict(request_timeout=0.5), matchmaking_floor=1.0, allreduce_timeout=20.0, **options,
     )
 
 
@@ -227,3 +227,67 @@ def test_a_busy_peer_gets_a_quarter_of_the_round_timeout_per_chunk_not_one_match
         if optimizer is not None:
             optimizer.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_with_overlap_the_outer_update_lands_one_round_late_and_the_model_keeps_its_progress_meanwhile():
+    config = AveragingConfig(strategy="diloco", target_batch_size=4, matchmaking_seconds=1.0,
+                             averaging_timeout_seconds=20.0, outer_lr=0.5, outer_momentum=0.9, diloco_overlap=True)
+    start = torch.tensor([1.0, -2.0])
+    dhts = start_dhts(2)
+    peers, models, reports = [], [], []
+
+    def flat(model) -> torch.Tensor:
+        return torch.cat([model.weight.detach().flatten(), model.bias.detach()])
+
+    def move(model, to: torch.Tensor) -> None:
+        with torch.no_grad():
+            model.weight.fill_(float(to[0])), model.bias.fill_(float(to[1]))
+
+    try:
+        for dht in dhts:
+            model = torch.nn.Linear(1, 1)
+            move(model, start)
+            peers.append(make_diloco(config, dht, model, AveragingHooks(round_finished=reports.append)))
+            models.append(model)
+        wait_until(lambda: [peer.announce() for peer in peers] and all(peer.swarm_view().peers == 2 for peer in peers),
+                   60, interval=1.0, message="both trackers to see both peers")
+        reference = start.clone().requires_grad_()
+        sgd = torch.optim.SGD([reference], lr=0.5, momentum=0.9, nesterov=True)
+
+        deltas = (torch.tensor([0.2, -0.4]), torch.tensor([0.6, 0.0]))
+        for model, delta in zip(models, deltas):  # round 1: as if the inner steps had moved each by -delta
+            move(model, start - delta)
+        run_in_threads(*(lambda peer=peer: peer.step(batch_size=4) for peer in peers))
+        assert [peer.local_epoch for peer in peers] == [1, 1]
+        for model, peer, delta in zip(models, peers, deltas):  # launched, not applied: training went on from here
+            assert torch.equal(flat(model), start - delta)
+            assert torch.equal(torch.cat([p.flatten() for p in peer.global_params]), start)
+            assert not peer.state_averager.allow_state_sharing  # a newcomer would get a start without this round
+
+        progress = (torch.tensor([0.01, 0.02]), torch.tensor([-0.03, 0.0]))  # round 2's inner steps so far
+        for model, delta, made in zip(models, deltas, progress):
+            move(model, start - delta + made)
+        run_in_threads(*(lambda peer=peer: peer.wait_for_background_updates() for peer in peers))
+        reference.grad = (deltas[0] + deltas[1]) / 2
+        sgd.step()
+        landed = reference.detach().clone()
+        for model, peer, made in zip(models, peers, progress):
+            assert torch.allclose(torch.cat([p.flatten() for p in peer.global_params]), landed, atol=1e-6)
+            assert torch.allclose(flat(model), landed + made, atol=1e-6)  # the update, and its own progress
+            assert peer.state_averager.allow_state_sharing
+        assert [r.outcome for r in reports] == ["ok", "ok"]
+
+        # round 2 is measured from the landed start: its pseudo-gradient is minus each peer's progress
+        run_in_threads(*(lambda peer=peer: peer.step(batch_size=4) for peer in peers))
+        run_in_threads(*(lambda peer=peer: peer.wait_for_background_updates() for peer in peers))
+        reference.grad = -(progress[0] + progress[1]) / 2
+        sgd.step()
+        for model in models:
+            assert torch.allclose(flat(model), reference.detach(), atol=1e-6)
+        assert [peer.local_epoch for peer in peers] == [2, 2]
+    finally:
+        for peer in peers:
+            peer.shutdown()
+        for dht in dhts:
+            dht.shutdown()

@@ -32,6 +32,9 @@ STRATEGIES = {
     "powersgd": ["--powersgd-rank", "2", "--grad-compression", "fp16", *BF16],
     # outer momentum 0.9 (the paper's) overshoots within 4 rounds when a loaded machine changes the inner steps
     "diloco": ["--diloco-inner-steps", "8", "--outer-lr", "0.7", "--outer-momentum", "0.5"],
+    # the outer all-reduce in the background, through int4 with error feedback (on by default for int4)
+    "diloco-overlap-int4": ["--diloco-inner-steps", "8", "--outer-lr", "0.7", "--outer-momentum", "0.5",
+                            "--diloco-overlap", "--grad-compression", "int4"],
     # ZeRO-Offload with delayed parameter updates (sync strategy underneath)
     "offload-delayed": ["--offload-optimizer", "--delay-updates", "--grad-compression", "fp16", *BF16],
 }
@@ -42,7 +45,7 @@ STRATEGIES = {
 async def test_two_peers_learn_and_agree(tmp_path: Path, name: str):
     # delayed updates apply each averaged step one epoch late: give them a few more epochs to show learning
     epochs = 8 if name == "offload-delayed" else 4
-    strategy = name if name in ("sync", "local-sgd", "powersgd", "diloco") else "sync"
+    strategy = next((s for s in ("sync", "local-sgd", "powersgd", "diloco") if name.startswith(s)), "sync")
     async with Swarm(tmp_path, env=FAST_ENV) as harness:  # `peer swarm` passes it on
         swarm = harness.run(
             "swarm", "--peers", "2", *FAST_SWARM_ARGS, "--averaging", strategy, *STRATEGIES[name],
@@ -61,4 +64,5 @@ async def test_two_peers_learn_and_agree(tmp_path: Path, name: str):
         changes = [line for line in swarm.log().splitlines() if "adaptive deadlines:" in line]
         assert changes and "averaging timeout 20.0s" not in changes[0], changes
     states = [load_model_state(tmp_path / "ckpt" / f"peer-{i}") for i in range(2)]
-    assert max_parameter_difference(states[0], states[1]) <= 1e-5
+    # the last round landed before the final checkpoint; int4's replies are fp16: the peers agree to about that
+    assert max_parameter_difference(states[0], states[1]) <= (1e-4 if "int4" in name else 1e-5)

@@ -68,10 +68,14 @@ def test_powersgd_payload_is_the_low_rank_factors():
     config = AveragingConfig(strategy="powersgd", powersgd_rank=4)
     factors = powersgd_factors(params, rank=4)
     assert [tuple(t.shape) for t in factors] == [(256, 4), (192, 4), (192,)]
-    assert round_payload_bytes(config, params) == 4 * (256 * 4 + 192 * 4 + 192)
-    assert round_payload_bytes(AveragingConfig(grad_compression="fp16"), params) == 2 * (256 * 192 + 192)
+    # a contribution and the replies to it, in the same codec
+    assert round_payload_bytes(config, params) == 2 * 4 * (256 * 4 + 192 * 4 + 192)
+    assert round_payload_bytes(AveragingConfig(grad_compression="fp16"), params) == 2 * 2 * (256 * 192 + 192)
     local_sgd = AveragingConfig(strategy="local-sgd", average_opt_statistics=["exp_avg", "exp_avg_sq"])
-    assert round_payload_bytes(local_sgd, params, opt_statistics=2) == 3 * 4 * (256 * 192 + 192)
+    assert round_payload_bytes(local_sgd, params, opt_statistics=2) == 2 * 3 * 4 * (256 * 192 + 192)
+    # our codecs' replies go in dense fp16
+    int4 = round_payload_bytes(AveragingConfig(grad_compression="int4"), params)
+    assert int4 - payload_bytes(params, make_codec("int4")) == 2 * (256 * 192 + 192)
 
 
 def test_unknown_codec_names_the_choices():

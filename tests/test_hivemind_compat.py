@@ -9,12 +9,14 @@ import hivemind
 import pytest
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression.quantization import Quantization
 from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from averaging import hivemind_compat
 from averaging.diloco import DiLoCoOptimizer
+from averaging.error_feedback import FeedbackPartContainer
 from averaging.state import GuardedStateAverager, ReportingStateAverager
 from averaging.sync import SyncOptimizer
 
@@ -76,6 +78,7 @@ def test_install_puts_every_patch_in_place_and_twice_is_the_same_as_once():
     (SyncOptimizer, Optimizer),
     (GuardedStateAverager, TrainingStateAverager),
     (ReportingStateAverager, TrainingStateAverager),
+    (FeedbackPartContainer, TensorPartContainer),
 ])
 def test_every_upstream_method_our_subclasses_override_is_fingerprinted(ours, upstream):
     for cls in ours.__mro__:

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import hivemind
 import pytest
 import torch
 
-from averaging import hivemind_compat
+from averaging import error_feedback, hivemind_compat
+from averaging.error_feedback import ErrorFeedback
 from averaging.robust import RobustPolicy
 from averaging.robust_allreduce import Defence, building
 from tests.test_averaging_inprocess import run_in_threads, start_dhts
@@ -23,19 +24,22 @@ def honest_values(seed: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def averagers(values: List[torch.Tensor], defences: Optional[List[Defence]] = None, prefix: str = "robust_test",
-              **options):
-    """One real averager per tensor, each on its own DHT in this process; `options` go to every averager."""
+def averagers(values: List[Union[torch.Tensor, List[torch.Tensor]]], defences: Optional[List[Defence]] = None,
+              prefix: str = "robust_test", feedbacks: Optional[List[ErrorFeedback]] = None, **options):
+    """One real averager per tensor (or list of tensors), each on its own DHT in this process, with its
+    Defence and ErrorFeedback if given; `options` go to every averager."""
     hivemind_compat.install()
     defences = defences or [None] * len(values)
+    feedbacks = feedbacks or [None] * len(values)
     dhts = start_dhts(len(values))
     built = []
     try:
-        for dht, tensor, defence in zip(dhts, values, defences):
-            with building(defence):
+        for dht, tensors, defence, feedback in zip(dhts, values, defences, feedbacks):
+            with building(defence), error_feedback.building(feedback):
                 built.append(hivemind.averaging.DecentralizedAverager(
-                    [tensor], dht, prefix=prefix, target_group_size=len(values), min_group_size=2,
-                    min_matchmaking_time=2.0, request_timeout=1.0, start=True, **options,
+                    tensors if isinstance(tensors, list) else [tensors], dht, prefix=prefix,
+                    target_group_size=len(values), min_group_size=2, min_matchmaking_time=2.0, request_timeout=1.0,
+                    start=True, **options,
                 ))
         yield built
     finally:

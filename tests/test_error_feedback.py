@@ -1,0 +1,237 @@
+"""Error feedback (averaging/error_feedback.py): the math, the part container, checkpoints, and real averagers."""
+from __future__ import annotations
+
+import asyncio
+
+import hivemind
+import pytest
+import torch
+
+from averaging import error_feedback, hivemind_compat
+from averaging.api import Replica
+from averaging.compression import make_codec
+from averaging.config import AveragingConfig
+from averaging.error_feedback import ErrorFeedback, FeedbackPartContainer, encode_with_feedback
+from averaging.factory import build_swarm_optimizer
+from dht.keys import SwarmKeys
+from tests.peers import wait_until
+from tests.test_averaging_inprocess import make_diloco, run_in_threads, start_dhts
+from tests.test_lowbit import gradient_like, round_trip
+from tests.test_robust_allreduce import average_all, averagers
+
+
+def accumulated_error(codec, rounds: int, feedback: bool) -> float:
+    """Relative L2 error of the sum of what was received against the sum of what was meant, after `rounds`."""
+    generator = torch.Generator().manual_seed(7)
+    drift = torch.randn(4096, generator=generator)  # gradients share a direction from round to round
+    meant, received, residual = torch.zeros(4096), torch.zeros(4096), torch.zeros(4096)
+    for _ in range(rounds):
+        values = drift + 2 * gradient_like(4096, seed=int(torch.randint(0, 2**31, (1,), generator=generator)))
+        meant += values
+        if feedback:
+            decoded, residual = encode_with_feedback(values, residual, codec)
+        else:
+            decoded = round_trip(codec, values)
+        received += decoded
+    return float((received - meant).norm() / meant.norm())
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "topk"])
+def test_error_feedback_drives_the_accumulated_error_of_many_rounds_toward_zero(name):
+    codec = make_codec(name, topk_fraction=0.05)
+    short, long = accumulated_error(codec, 20, feedback=True), accumulated_error(codec, 400, feedback=True)
+    without = accumulated_error(codec, 400, feedback=False)
+    # the residual stays bounded while the sum grows: the relative error of the sum falls with the rounds
+    assert long < short / 5, (short, long)
+    assert long < without / 10, (long, without)
+
+
+def test_a_residual_never_holds_nan_or_inf():
+    values = gradient_like(256)
+    values[3], values[100] = float("nan"), float("inf")
+    decoded, residual = encode_with_feedback(values, torch.zeros(256), make_codec("int4"))
+    assert torch.isfinite(residual).all() and torch.isfinite(decoded).all()
+
+
+def run(coroutine):
+    return asyncio.new_event_loop().run_until_complete(coroutine)
+
+
+def container_of_two(values, carried, codec):
+    """A container for a group of two in which this peer (index 0) reduces the first tensor, its peer the second."""
+    inputs = [value + residual for value, residual in zip(values, carried)]
+    return inputs, FeedbackPartContainer(inputs, (0.5, 0.5), carried, own_index=0, compression=codec)
+
+
+async def send_everything(container, peer_index: int):
+    return [message async for message in container.iterate_input_parts_for(peer_index)]
+
+
+async def outputs(container):
+    return [tensor async for tensor in container.iterate_output_tensors()]
+
+
+def test_a_delivered_part_ends_at_the_average_and_keeps_what_the_codec_lost():
+    codec = make_codec("int4")
+    values, carried = [gradient_like(512, seed=1), gradient_like(512, seed=2)], [torch.ones(512), torch.ones(512)]
+    inputs, container = container_of_two(values, carried, codec)
+    own = container.get_raw_input_parts(0)
+    (message,) = run(send_everything(container, 1))  # the second tensor, in one part
+    sent = codec.extract(message)
+    average_of_second = sent / 2 + 0.25  # what the other reducer computed, its own values all 0.5
+    container.register_processed_part(0, 0, own[0] / 2 - own[0])  # this peer's reduction: an average with zeros
+    container.register_processed_part(1, 0, average_of_second - sent)  # the reply: average - what it received
+    first, second = run(outputs(container))
+    assert torch.allclose(inputs[0] + first, inputs[0] / 2)
+    assert torch.allclose(inputs[1] + second, average_of_second, atol=1e-6)  # not the average plus its residual
+    assert torch.equal(container.kept[0], torch.zeros(512))  # reduced here: all of x went in, the residual too
+    assert torch.allclose(container.kept[1], inputs[1] - sent, atol=1e-6)
+    assert container.kept[1].abs().max() > 0
+
+
+def test_a_part_whose_reducer_failed_keeps_this_peers_values_and_its_old_residual():
+    codec = make_codec("int4")
+    values, carried = [gradient_like(512, seed=1), gradient_like(512, seed=2)], [torch.zeros(512), torch.ones(512)]
+    inputs, container = container_of_two(values, carried, codec)
+    own = container.get_raw_input_parts(0)
+    run(send_everything(container, 1))
+    container.register_processed_part(0, 0, torch.zeros_like(own[0]))
+    container.register_failed_reducer(1)
+    _, second = run(outputs(container))
+    assert torch.allclose(inputs[1] + second, values[1])  # g, as without error feedback
+    assert torch.equal(container.kept[1], carried[1])  # the residual it started with, for the next round
+    assert container.failed_size == 512
+
+
+def test_residuals_survive_a_checkpoint_and_a_bad_one_starts_from_zero():
+    feedback = ErrorFeedback()
+    feedback.allocate_like([torch.zeros(3), torch.zeros(2, 2)])
+    feedback.residuals[0].fill_(0.5)
+    saved = feedback.state_dict()
+    restored = ErrorFeedback()
+    restored.allocate_like([torch.zeros(3), torch.zeros(2, 2)])
+    restored.load_state_dict(saved)
+    assert torch.equal(restored.residuals[0], torch.full((3,), 0.5)) and restored.norm() > 0
+    restored.load_state_dict([torch.tensor([float("nan"), 1.0, 2.0]), torch.zeros(2, 2)])
+    assert torch.equal(restored.residuals[0], torch.tensor([0.0, 1.0, 2.0]))
+    restored.load_state_dict([torch.zeros(4)])  # another model's
+    assert restored.norm() == 0.0
+    feedback.reset()
+    assert feedback.norm() == 0.0
+
+
+@pytest.mark.parametrize("strategy, codec, setting, expected", [
+    ("sync", "int8", "auto", True), ("diloco", "int4", "auto", True), ("diloco", "topk", "auto", True),
+    ("sync", "int8", "off", False), ("sync", "fp16", "auto", False), ("sync", "uint8", "auto", False),
+    ("powersgd", "int8", "auto", False), ("local-sgd", "int4", "auto", False),
+])
+def test_auto_turns_error_feedback_on_for_our_lossy_codecs_with_gradient_averaging(strategy, codec, setting, expected):
+    config = AveragingConfig(strategy=strategy, grad_compression=codec, error_feedback=setting)
+    assert config.uses_error_feedback is expected
+
+
+@pytest.mark.timeout(120)
+def test_two_averagers_with_int4_and_error_feedback_agree_and_carry_the_loss_into_the_next_round():
+    # two tensors: each peer reduces one (hivemind's parts are larger than these)
+    values = [[gradient_like(2**15, seed=2 * peer), gradient_like(2**15, seed=2 * peer + 1)] for peer in (0, 1)]
+    mean = [(a + b) / 2 for a, b in zip(*values)]
+    feedbacks = [ErrorFeedback(), ErrorFeedback()]
+    codec = make_codec("int4")
+    results = []
+    with averagers([[t.clone() for t in tensors] for tensors in values], prefix="feedback_int4",
+                   feedbacks=feedbacks, compression=codec) as group:
+        for _ in range(2):
+            for averager, tensors in zip(group, values):
+                with averager.get_tensors() as buffers:
+                    for buffer, tensor in zip(buffers, tensors):
+                        buffer.copy_(tensor)
+            assert all(isinstance(result, dict) for result in average_all(group)), "the round failed"
+            round_results = []
+            for averager in group:
+                with averager.get_tensors() as buffers:
+                    round_results.append([buffer.clone() for buffer in buffers])
+            results.append(round_results)
+
+    for round_results in results:  # the peers agree, up to the fp16 of the replies
+        for mine, theirs, average in zip(*round_results, mean):
+            assert float((mine - theirs).abs().max()) < 2e-3 * float(average.abs().max())
+    for feedback in feedbacks:  # each peer reduced one tensor itself (nothing lost) and sent the other
+        norms = sorted(float(residual.norm()) for residual in feedback.residuals)
+        assert norms[0] == 0.0 and norms[1] > 0.0
+    # what was lost in round 1 was sent in round 2: the two rounds together are twice the mean, less what the
+    # last round lost (without error feedback each peer would hold the mean plus its own residual, every round)
+    for tensor_index in range(2):
+        together = results[0][0][tensor_index] + results[1][0][tensor_index]
+        still_lost = sum(feedback.residuals[tensor_index] for feedback in feedbacks) / 2
+        expected = 2 * mean[tensor_index] - still_lost
+        assert float((together - expected).abs().max()) < 4e-3 * float(mean[tensor_index].abs().max())
+
+
+@pytest.mark.timeout(180)
+def test_diloco_peers_with_int4_and_error_feedback_agree_checkpoint_their_residuals_and_drop_them_on_download():
+    config = AveragingConfig(strategy="diloco", target_batch_size=4, matchmaking_seconds=1.0,
+                             averaging_timeout_seconds=20.0, grad_compression="int4")
+    assert config.uses_error_feedback
+    hivemind_compat.install()  # as build_swarm_optimizer does: our codecs' registration, error feedback's patch
+    dhts = start_dhts(2)
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(128, 128) for _ in dhts]
+    models[1].load_state_dict(models[0].state_dict())
+    start = [p.detach().clone() for p in models[0].parameters()]
+    peers = []
+    try:
+        for dht, model in zip(dhts, models):
+            peers.append(make_diloco(config, dht, model, error_feedback=ErrorFeedback()))
+        wait_until(lambda: [peer.announce() for peer in peers] and all(peer.swarm_view().peers == 2 for peer in peers),
+                   60, interval=1.0, message="both trackers to see both peers")
+        for seed, model in enumerate(models):  # as if each peer's inner steps had moved it differently
+            with torch.no_grad():
+                for param, origin in zip(model.parameters(), start):
+                    param.copy_(origin - 0.01 * gradient_like(origin.numel(), seed=seed).view_as(origin))
+        run_in_threads(*(lambda peer=peer: peer.step(batch_size=4) for peer in peers))
+
+        assert [peer.local_epoch for peer in peers] == [1, 1]
+        for mine, theirs in zip(models[0].parameters(), models[1].parameters()):
+            # one outer step on the same average, up to the fp16 of the replies (without error feedback, each
+            # peer's int4 loss: up to 0.05 here)
+            assert float((mine - theirs).detach().abs().max()) < 2e-3
+        for peer in peers:
+            assert peer.error_feedback.norm() > 0  # each sent one of the two tensors through int4
+            saved = peer.state_dict()["diloco"]["error_feedback"]
+            assert all(torch.equal(a, b) for a, b in zip(saved, peer.error_feedback.residuals))
+
+        assert peers[1].load_state_from_peers()
+        assert peers[1].error_feedback.norm() == 0.0  # its residuals belonged to the state it left
+    finally:
+        for peer in peers:
+            peer.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_the_sync_strategy_carries_residuals_on_its_gradient_averager_only_and_checkpoints_them():
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    optimizer = None
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        config = AveragingConfig(target_batch_size=8, matchmaking_seconds=1.0, grad_compression="int8")
+        optimizer = build_swarm_optimizer(config, Replica(
+            dht=dht, keys=SwarmKeys.for_run("sync_feedback"), params=model.parameters(),
+            optimizer_factory=lambda params: torch.optim.Adam(params, lr=0.05), batch_size=8, client_mode=False,
+        ))
+        feedback = optimizer.error_feedback
+        assert error_feedback.of(optimizer.grad_averager) is feedback
+        assert error_feedback.of(optimizer.state_averager) is None  # parameters are averaged as they are
+        assert [r.shape for r in feedback.residuals] == [p.shape for p in model.parameters()]
+        assert all(r.is_shared() for r in feedback.residuals)  # the averager's process writes them
+
+        feedback.residuals[0].fill_(0.25)
+        state = optimizer.state_dict()
+        feedback.reset()
+        optimizer.load_state_dict(state)
+        assert torch.equal(feedback.residuals[0], torch.full_like(feedback.residuals[0], 0.25))
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
