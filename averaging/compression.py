@@ -130,3 +130,11 @@ def round_payload_bytes(config: AveragingConfig, params: Sequence[torch.Tensor],
     else:  # sync gradients, or DiLoCo pseudo-gradients: one tensor per parameter
         codec, sent = configured_codec(config, config.grad_compression), params
     return payload_bytes(sent, codec) + payload_bytes(sent, reply_codec(codec))
+
+
+def bytes_moved(round_payload: int, group_size: int, outcome: str) -> int:
+    """What one peer sent in a round, and received (round_payload_bytes of its strategy; nothing if it failed)."""
+    if outcome not in ("ok", "partial"):
+        return 0
+    n = max(1, group_size)
+    return int((n - 1) / n * round_payload)

@@ -12,11 +12,12 @@ netem (delay, loss) is not used: only rate limits. Nothing here runs unless the 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 SUBNET = "10.89.0"
 TBF_LATENCY = "100ms"
@@ -118,6 +119,13 @@ class Bridge:
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", self._peer_if[i], "root", "tbf",
                  "rate", rate, "burst", str(burst), "latency", TBF_LATENCY)
         self.rate = rate
+
+    def traffic(self, index: int) -> Dict[str, int]:
+        """Bytes peer `index` has sent (`tx`) and received (`rx`) on its link so far: everything on the wire,
+        IP and TCP headers, DHT and libp2p framing included (the interface's own counters)."""
+        out = _run("ip", "-n", self.namespaces[index], "-s", "-j", "link", "show", "dev", self._peer_if[index]).stdout
+        stats = json.loads(out)[0]["stats64"]
+        return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])}
 
     def down(self) -> None:
         """Delete every namespace this bridge created (veth pairs and the bridge go with them)."""

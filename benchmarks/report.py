@@ -15,7 +15,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common
 
-ORDER = ("local_overhead", "allreduce_link", "compression", "offload", "scaling")
+ORDER = ("local_overhead", "allreduce_link", "compression", "uplink", "offload", "scaling")
 
 
 def _f(value, digits: int = 3, suffix: str = "") -> str:
@@ -102,6 +102,31 @@ def compression(doc: dict) -> str:
             f"{r['rounds']} interleaved rounds. The last two columns: the relative L2 error of the update "
             f"accumulated over {rounds} consecutive gradients of a training run, one codec round each.\n\n"
             + "\n".join(lines))
+
+
+def uplink(doc: dict) -> str:
+    r = doc["results"]
+    if r.get("skipped"):
+        return f"Skipped: {r['skipped']}."
+    lines = [f"Two peers of `{r['task']}`, one core each, {r['samples']:,} samples per run; sync target batch "
+             f"{r['target_batch_size']}, DiLoCo {r['diloco_target_batch_size']}. Target validation loss "
+             f"{r['target_val_loss']:.3f}." + (f" Plot: `benchmarks/results/{r['plot']}`." if r.get("plot") else "")]
+    for rate, rows in r["compared"].items():
+        runs = {run["setup"]: run for run in r["runs"] if run["rate"] == rate}
+        lines += ["", f"**{rate} per link**", "",
+                  "| setup | wire B/sample | fewer bytes than sync-fp32 | exported / wire | communication share | "
+                  f"val loss at {next(iter(rows.values()))['equal_samples']:,} samples | vs sync-fp32 | "
+                  "s to target | speedup |", "|---|---|---|---|---|---|---|---|---|"]
+        for setup, row in rows.items():
+            run = runs[setup]
+            exported = ", ".join(_f(value, 2) for value in run["exported_over_wire"])
+            lines.append(
+                f"| {setup} | {_f(run['wire_bytes_per_sample'], 0)} | "
+                f"{_f(row['wire_bytes_per_sample_vs_sync_fp32'], 1)}x | "
+                f"{exported} | {_f(run['communication_share'], 2)} | {_f(row['val_loss_at_equal_samples'], 3)} | "
+                f"{_f(row['val_loss_vs_sync_fp32'], 3)} | {_f(row['time_to_target_seconds'], 1)} | "
+                f"{_f(row['speedup_vs_sync_fp32'], 2)}x |")
+    return "\n".join(lines)
 
 
 def offload(doc: dict) -> str:

@@ -9,6 +9,7 @@ import time
 from typing import Callable, Dict, Optional
 
 from averaging.api import RoundReport
+from averaging.compression import bytes_moved
 from monitoring import BottleneckClassifier, HealthCheck, PeerMetrics
 from monitoring.classifier import BottleneckChange
 from peer.events import (
@@ -61,10 +62,7 @@ class MetricsObserver(TrainingObserver):
             self.metrics.set_validation_loss(val_loss)
 
     def on_round(self, report: RoundReport, payload_bytes: int) -> None:
-        # butterfly all-reduce: each peer sends (N-1)/N of its contribution and of the replies to the others'
-        # (payload_bytes holds both), and receives as much
-        n = max(1, report.group_size)
-        moved = int((n - 1) / n * payload_bytes) if report.outcome in ("ok", "partial") else 0
+        moved = bytes_moved(payload_bytes, report.group_size, report.outcome)
         self.metrics.record_round(report.outcome, report.seconds, report.group_size, moved, moved)
 
     def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from averaging.api import AveragingHooks, RoundReport, SwarmOptimizer
+from averaging.compression import bytes_moved
 from monitoring import PhaseTimer
 from peer.checkpoint import CheckpointError, CheckpointStore
 from peer.config import PeerConfig
@@ -114,6 +115,7 @@ class RoundTally:
         self.summary.averaging_rounds[report.outcome] = self.summary.averaging_rounds.get(report.outcome, 0) + 1
         if report.outcome in ("ok", "partial"):
             self.summary.largest_group = max(self.summary.largest_group, report.group_size)
+        self.summary.averaging_sent_bytes += bytes_moved(self.payload_bytes, report.group_size, report.outcome)
         self.observer.on_round(report, self.payload_bytes)
 
     def on_state_loaded(self, epoch: int) -> None:
