@@ -19,7 +19,7 @@ that is hivemind's drift repair, not part of what the papers compare against.
 Measured per run:
 - ``wire_bytes``: bytes each peer's interface sent (tx) and received (rx) during the run (all traffic,
   libp2p framing, DHT and state downloads included), from the interface's own counters;
-- ``exported_sent_bytes``: what the peer's own ``peer_sent_bytes`` counter says it sent (its summary's
+- ``exported_sent_bytes``: what the peer's own ``peer_averaging_payload_sent_bytes`` counter says it sent (its summary's
   ``averaging_sent_bytes``), and ``exported_over_wire``, the ratio to the tx bytes;
 - ``wire_bytes_per_sample``: both peers' tx bytes / both peers' samples;
 - ``curve``: peer 0's validation loss after every epoch, with the seconds since both peers were ready and
@@ -43,7 +43,8 @@ Needs root (network namespaces, tc). Usage (from the repository root)::
 JSON ``results``: ``task``, ``samples``, ``target_batch_size``, ``diloco_target_batch_size``, ``rates``,
 ``target_val_loss``, ``plot``, ``runs`` (one per rate and setup: ``rate``, ``setup``, ``flags``, ``seconds``,
 ``samples``, ``epochs``, ``wire_bytes``, ``exported_sent_bytes``, ``exported_over_wire``,
-``wire_bytes_per_sample``, ``communication_share``, ``val_loss_final``, ``curve``, ``exit_codes``, ``error``),
+``wire_bytes_per_sample``, ``communication_share``, ``val_loss_final``, ``curve``, ``averaging_rounds`` and
+``state_downloads`` (per peer, from its summary), ``exit_codes``, ``error``),
 ``compared`` (per rate and setup: ``wire_bytes_per_sample_vs_sync_fp32``, ``val_loss_at_equal_samples``,
 ``val_loss_vs_sync_fp32``, ``time_to_target_seconds``, ``speedup_vs_sync_fp32``), and ``skipped``.
 """
@@ -145,6 +146,8 @@ async def one_run(run: common.Run, bridge: netns.Bridge, rate: str, setup: str, 
         wire_bytes_per_sample=round(sum(w["tx"] for w in wire) / samples, 1) if samples else None,
         communication_share=round(sum(p.get("averaging", 0.0) for p in phases) / busy, 3) if busy else None,
         val_loss_final=curve[-1]["val_loss"] if curve else None, curve=curve,
+        averaging_rounds=[summary["averaging_rounds"] for summary in summaries],
+        state_downloads=[summary["state_downloads"] for summary in summaries],
     )
     run.log(f"{rate} {setup}: {row['seconds']}s, {samples} samples, {row['wire_bytes_per_sample']} wire B/sample, "
             f"exported/wire {row['exported_over_wire']}, communication {row['communication_share']}, "
@@ -189,10 +192,12 @@ def plot(runs: List[dict], target: float, path: Path) -> Optional[str]:
         return "matplotlib is not installed (pip install 'swarmtrain[benchmarks]')"
     rates = list(dict.fromkeys(run["rate"] for run in runs))
     figure, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.5), squeeze=False, sharey=True)
+    colors = {setup: f"C{index}" for index, setup in enumerate(SETUPS)}  # the same in every panel
     for axis, rate in zip(axes[0], rates):
-        for run in (run for run in runs if run["rate"] == rate and run["curve"]):
+        for run in sorted((run for run in runs if run["rate"] == rate and run["curve"]),
+                          key=lambda run: list(SETUPS).index(run["setup"])):
             axis.plot([p["seconds"] for p in run["curve"]], [p["val_loss"] for p in run["curve"]],
-                      marker="o", markersize=3, label=run["setup"])
+                      marker="o", markersize=3, label=run["setup"], color=colors[run["setup"]])
         axis.axhline(target, color="grey", linestyle=":", linewidth=1)
         axis.set_title(f"2 peers, {rate} per link")
         axis.set_xlabel("wall time since both peers were ready (s)")

@@ -46,8 +46,8 @@ PEER_METRICS: Dict[str, str] = {
     "peer_averaging_rounds_total": "counter",
     "peer_averaging_round_seconds": "histogram",
     "peer_averaging_group_size": "gauge",
-    "peer_sent_bytes_total": "counter",
-    "peer_received_bytes_total": "counter",
+    "peer_averaging_payload_sent_bytes_total": "counter",
+    "peer_averaging_payload_received_bytes_total": "counter",
     "peer_checkpoint_failures_total": "counter",
     "peer_dropped_contributions_total": "counter",
     "peer_exclusions_total": "counter",
@@ -129,13 +129,13 @@ class PeerMetrics:
             "peer_averaging_group_size", "Number of peers in this peer's latest averaging group.", registry=r
         )
         self.sent_bytes = Counter(
-            "peer_sent_bytes",
+            "peer_averaging_payload_sent_bytes",
             "Averaging payload bytes sent, after compression; computed from tensor sizes and the codec, "
             "not measured on the wire (excludes protocol overhead, DHT and state-download traffic).",
             registry=r,
         )
         self.received_bytes = Counter(
-            "peer_received_bytes",
+            "peer_averaging_payload_received_bytes",
             "Averaging payload bytes received, after compression; computed from tensor sizes and the codec, "
             "not measured on the wire (excludes protocol overhead, DHT and state-download traffic).",
             registry=r,

@@ -27,7 +27,7 @@ class PeerSummary(BaseModel):
     largest_group: int = 0
     """The most peers in one successful averaging round."""
     averaging_sent_bytes: int = 0
-    """Averaging payload sent (and received), as the peer_sent_bytes counter counts it."""
+    """Averaging payload sent (and received), as the peer_averaging_payload_sent_bytes counter counts it."""
     longest_step_seconds: float = 0.0
     """The longest local step, averaging and state downloads included: how long this peer ever blocked."""
     state_downloads: int = 0

@@ -141,3 +141,27 @@ def test_robustness_smoke(tmp_path: Path):
     assert {"epochs", "epochs_per_minute", "epochs_per_minute_after_exclusion", "seconds_to_exclusion",
             "wrongly_excluded", "ratio_after_exclusion", "exit_codes"} <= row.keys()
     assert set(results["summary"]) == {"scaled-1e4"}
+
+
+@pytest.mark.timeout(200)
+def test_uplink_smoke(tmp_path: Path):
+    results, pid = run_benchmark("uplink", tmp_path, timeout=180)
+    assert {"task", "samples", "target_batch_size", "diloco_target_batch_size", "rates", "runs",
+            "skipped"} <= results.keys()
+    if results["skipped"]:  # not root, or no iproute2: nothing ran
+        assert results["runs"] == []
+        return
+    assert [(run["rate"], run["setup"]) for run in results["runs"]] == [("100mbit", "sync-fp32"),
+                                                                        ("100mbit", "diloco-int4-ef")]
+    for run in results["runs"]:
+        assert run["error"] is None and run["exit_codes"] == [0, 0], run
+        assert all(wire["tx"] > 0 and wire["rx"] > 0 for wire in run["wire_bytes"])
+        assert all(0 < ratio for ratio in run["exported_over_wire"])
+        assert run["curve"] and run["samples"] > 0
+    compared = results["compared"]["100mbit"]
+    assert compared["sync-fp32"]["wire_bytes_per_sample_vs_sync_fp32"] == 1.0
+    assert compared["diloco-int4-ef"]["wire_bytes_per_sample_vs_sync_fp32"] > 1.0  # int4, once per 8 epochs
+    plot = tmp_path / "uplink.png"
+    assert plot.exists() == (results["plot"] is not None)
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split()
+    assert not [name for name in listed if re.fullmatch(rf"stb{pid % 100000}(hub|p\d+)", name)], listed

@@ -182,8 +182,8 @@ def test_training_loop_methods_set_the_documented_series():
     assert value("peer_averaging_round_seconds_bucket", {"le": "1.0"}) == 1
     assert value("peer_averaging_round_seconds_sum") == 60.8
     assert value("peer_averaging_group_size") == 2
-    assert value("peer_sent_bytes_total") == 1010
-    assert value("peer_received_bytes_total") == 2000
+    assert value("peer_averaging_payload_sent_bytes_total") == 1010
+    assert value("peer_averaging_payload_received_bytes_total") == 2000
     with pytest.raises(ValueError, match="unknown averaging outcome"):
         metrics.record_round("exploded", seconds=1.0, group_size=2, sent_bytes=0, received_bytes=0)
 

@@ -18,8 +18,9 @@ def sent_bytes_after_one_round(codec: str, params, group_size: int = 4) -> float
     registry = CollectorRegistry()
     observer = MetricsObserver(PeerMetrics(registry), BottleneckClassifier(), HealthCheck(60))
     observer.on_round(RoundReport("ok", 1.0, group_size), round_payload_bytes(config.averaging, params))
-    assert registry.get_sample_value("peer_received_bytes_total") == registry.get_sample_value("peer_sent_bytes_total")
-    return registry.get_sample_value("peer_sent_bytes_total")
+    sent = registry.get_sample_value("peer_averaging_payload_sent_bytes_total")
+    assert registry.get_sample_value("peer_averaging_payload_received_bytes_total") == sent
+    return sent
 
 
 # our codecs (int8, int4, topk) reply in dense fp16: half of what moves weighs 0.5 of fp32
@@ -39,5 +40,5 @@ def test_failed_rounds_move_no_bytes():
     registry = CollectorRegistry()
     observer = MetricsObserver(PeerMetrics(registry), BottleneckClassifier(), HealthCheck(60))
     observer.on_round(RoundReport("timeout", 10.0, 1), 10**6)
-    assert registry.get_sample_value("peer_sent_bytes_total") == 0
+    assert registry.get_sample_value("peer_averaging_payload_sent_bytes_total") == 0
     assert registry.get_sample_value("peer_averaging_rounds_total", {"outcome": "timeout"}) == 1

@@ -179,8 +179,9 @@ def swarm_overview() -> Dict:
                    quantiles(), unit="s"),
         timeseries("Averaging payload", "Payload bytes per second after compression, over all peers "
                    "(computed from tensor sizes, not measured on the wire).", [
-                       target(f"sum(rate(peer_sent_bytes_total{{{PEERS}}}[{RATE}]))", "sent"),
-                       target(f"sum(rate(peer_received_bytes_total{{{PEERS}}}[{RATE}]))", "received"),
+                       target(f"sum(rate(peer_averaging_payload_sent_bytes_total{{{PEERS}}}[{RATE}]))", "sent"),
+                       target(f"sum(rate(peer_averaging_payload_received_bytes_total{{{PEERS}}}[{RATE}]))",
+                              "received"),
                    ], unit="Bps"),
         timeseries("Averaging group size", "Peers in each peer's latest averaging group.",
                    [target(f"peer_averaging_group_size{{{PEERS}}}", "{{instance}}")]),
