@@ -40,7 +40,7 @@ _FIXED = {
 
 
 def make_codec(name: str, adaptive_threshold: int = 2**16, adaptive_large_codec: str = "uint8",
-               topk_fraction: float = TOPK_FRACTION) -> CompressionBase:
+               topk_fraction: float = TOPK_FRACTION, topk_value_bits: int = 16) -> CompressionBase:
     """The hivemind codec for a config name. Raises ValueError naming the choices for an unknown name."""
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
@@ -58,13 +58,14 @@ def make_codec(name: str, adaptive_threshold: int = 2**16, adaptive_large_codec:
     if name in ("int8", "int4"):
         return BlockwiseAbsmax(bits=int(name[3:]))
     if name == "topk":
-        return TopK(topk_fraction)
+        return TopK(topk_fraction, value_bits=topk_value_bits)
     return _FIXED[name]()
 
 
 def configured_codec(config: AveragingConfig, name: str) -> CompressionBase:
-    """The codec `name` with the config's codec settings (the adaptive codec's, and the top-k fraction)."""
-    return make_codec(name, config.adaptive_compression_threshold, config.adaptive_large_codec, config.topk_fraction)
+    """The codec `name` with the config's codec settings (the adaptive codec's, and top-k's)."""
+    return make_codec(name, config.adaptive_compression_threshold, config.adaptive_large_codec, config.topk_fraction,
+                      config.topk_value_bits)
 
 
 def codecs_from_config(config: AveragingConfig) -> dict:

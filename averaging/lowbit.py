@@ -10,7 +10,8 @@ values: ours use ids above them (CODEC_IDS), which averaging/hivemind_compat.py 
   own block's precision, unlike uint8's one range per tensor. Per fp32 value: 1.06 bytes (int8)
   and 0.56 (int4), ratios of 0.27 and 0.14.
 - topk: the TOPK_FRACTION of values largest in magnitude, as int32 indices and fp16 values (6
-  bytes each); the rest are sent as zeros. At 1%, a ratio of 0.015.
+  bytes each), or with `value_bits=8` int8 values, blockwise as int8 above (5.06 bytes each);
+  the rest are sent as zeros. At 1%, a ratio of 0.015 (0.0127 with int8 values).
 
 A reducer replies to each sender with the average minus what it received from that sender,
 encoded with the codec registered for the message's id. For all three that one replies in dense
@@ -40,6 +41,7 @@ BLOCK = 64
 TOPK_FRACTION = 0.01
 _HEADER = struct.Struct("<I")  # block size (int8, int4) or values kept (topk)
 _DENSE = 2**32 - 1  # a header: every value follows, as fp16 (a reducer's reply)
+_INT8_VALUES = 2**31  # a topk header's flag: the kept values follow as an int8 message
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
@@ -120,13 +122,16 @@ class BlockwiseAbsmax(CompressionBase):
 
 
 class TopK(CompressionBase):
-    """The `fraction` of values largest in magnitude (at least one), as int32 indices and fp16 values; with
-    `dense_replies`, every value as fp16 (how a reducer's replies go: see the module's docstring)."""
+    """The `fraction` of values largest in magnitude (at least one), as int32 indices and fp16 (`value_bits`
+    16) or blockwise int8 (8) values; with `dense_replies`, every value as fp16 (how a reducer's replies go:
+    see the module's docstring)."""
 
-    def __init__(self, fraction: float = TOPK_FRACTION, dense_replies: bool = False):
+    def __init__(self, fraction: float = TOPK_FRACTION, dense_replies: bool = False, value_bits: int = 16):
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1] (got {fraction})")
-        self.fraction, self.dense_replies = fraction, dense_replies
+        if value_bits not in (8, 16):
+            raise ValueError(f"value_bits must be 8 or 16 (got {value_bits})")
+        self.fraction, self.dense_replies, self.value_bits = fraction, dense_replies, value_bits
         self.compression_type = CODEC_IDS["topk"]
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
@@ -135,23 +140,34 @@ class TopK(CompressionBase):
         values = torch.nan_to_num(tensor.detach().reshape(-1).to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
         kept = min(values.numel(), max(1, math.ceil(values.numel() * self.fraction)))
         indices = values.abs().topk(kept, sorted=False).indices.sort().values  # sorted: compresses better
-        body = indices.to(torch.int32).numpy().tobytes() + values[indices].to(torch.float16).numpy().tobytes()
-        return _message(self, tensor, body, kept)
+        body = indices.to(torch.int32).numpy().tobytes()
+        if self.value_bits == 8:
+            quantized = _INT8.compress(values[indices], CompressionInfo.from_tensor(values[indices]))
+            return _message(self, tensor, body + quantized.buffer, kept | _INT8_VALUES)
+        return _message(self, tensor, body + values[indices].to(torch.float16).numpy().tobytes(), kept)
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         buffer = serialized_tensor.buffer
         (kept,) = _HEADER.unpack_from(buffer)
         if kept == _DENSE:
             return _dense_values(serialized_tensor)
+        int8_values, kept = bool(kept & _INT8_VALUES), kept & ~_INT8_VALUES
         indices = np.frombuffer(buffer, dtype=np.int32, count=kept, offset=_HEADER.size)
-        values = np.frombuffer(buffer, dtype=np.float16, count=kept, offset=_HEADER.size + 4 * kept)
+        offset = _HEADER.size + 4 * kept
+        if int8_values:
+            values = _INT8.extract(runtime_pb2.Tensor(buffer=buffer[offset:], size=[kept], dtype="float32"))
+        else:
+            values = torch.from_numpy(np.frombuffer(buffer, dtype=np.float16, count=kept, offset=offset)
+                                      .astype(np.float32))
         dense = torch.zeros(math.prod(serialized_tensor.size), dtype=torch.float32)
-        dense[torch.from_numpy(indices.astype(np.int64))] = torch.from_numpy(values.astype(np.float32))
+        dense[torch.from_numpy(indices.astype(np.int64))] = values
         return _restore(serialized_tensor, dense)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return 6 * self.fraction / info.descriptor.dtype.itemsize
+        per_value = 4 + (1 + 4 / BLOCK if self.value_bits == 8 else 2)
+        return per_value * self.fraction / info.descriptor.dtype.itemsize
 
 
 CODEC_IDS: Dict[str, int] = {"int8": 64, "int4": 65, "topk": 66}
 """Compression type ids for hivemind's messages: above its own enum's (0..5), never reused."""
+_INT8 = BlockwiseAbsmax(8)  # topk's int8 values

@@ -93,6 +93,7 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "load_state_compression": [lambda t: "gzip"],
     "adaptive_compression_threshold": [lambda t: "0"],
     "topk_fraction": [lambda t: "0", lambda t: "1.5"],
+    "topk_value_bits": [lambda t: "4", lambda t: "eight"],
     "adaptive_large_codec": [lambda t: "fp16"],
     "error_feedback": [lambda t: "always"],
     "offload_optimizer": [lambda t: "sometimes"],

@@ -83,6 +83,20 @@ def test_topk_sends_exactly_the_largest_values_and_zeros_elsewhere():
     assert round_trip(TopK(0.01), torch.randn(5)).count_nonzero() == 1  # at least one value, however small
 
 
+def test_topk_with_int8_values_keeps_the_same_values_at_int8_precision_in_fewer_bytes():
+    values = gradient_like(10_000, seed=3)
+    fp16, int8 = TopK(0.01), TopK(0.01, value_bits=8)
+    decoded = round_trip(int8, values)
+    kept = round_trip(fp16, values) != 0
+    assert torch.equal(decoded != 0, kept)  # the same largest values
+    assert float((decoded[kept] - values[kept]).abs().max()) <= float(values[kept].abs().max()) / 127 / 2 * 1.01
+    assert payload_bytes([values], int8) < payload_bytes([values], fp16)
+    hivemind_compat.install()  # hivemind decodes our ids once they are registered
+    assert deserialize_torch_tensor(int8.compress(values, CompressionInfo.from_tensor(values))).equal(decoded)
+    with pytest.raises(ValueError, match="value_bits must be 8 or 16"):
+        TopK(0.01, value_bits=4)
+
+
 def test_a_reducer_replies_through_topk_densely_as_fp16():
     """The codec registered for topk's id encodes the reducers' replies: all of the correction, at fp16."""
     hivemind_compat.install()

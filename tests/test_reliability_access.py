@@ -50,6 +50,12 @@ async def test_peer_with_wrong_key_cannot_join_a_round(tmp_path: Path):
             assert summary["largest_group"] == 2  # never three: the intruder was never in a group
         assert max_parameter_difference(first.model_state(), second.model_state()) <= 1e-5
 
-        assert await intruder.exit_code(timeout=90) == 0
-        stranger = json.loads((tmp_path / "intruder.json").read_text())
-        assert stranger["averaging_rounds"]["ok"] == 0 and stranger["largest_group"] == 0
+        # it either found no peer record when it started, and trained alone (to its 6 epochs, or for 60 s), or saw
+        # the run's open peer records and, unable to read the manifest keyed with the swarm's secret, stopped naming
+        # --swarm-key (CI: exit 1 after 30 s). Either way it was never in a group with the others (largest_group).
+        exited = await intruder.exited(timeout=90)
+        assert (exited.code, exited.reason) in ((0, "max_epochs"), (0, "max_seconds"), (1, "manifest_unreadable")), \
+            exited
+        if exited.code == 0:  # it trained: alone
+            stranger = json.loads((tmp_path / "intruder.json").read_text())
+            assert stranger["averaging_rounds"]["ok"] == 0 and stranger["largest_group"] == 0
