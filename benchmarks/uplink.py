@@ -38,7 +38,7 @@ Needs root (network namespaces, tc). Usage (from the repository root)::
 
     python -m benchmarks.uplink --quick     # 20 and 100 Mbit/s, 4096 samples per run (about 20 minutes)
     python -m benchmarks.uplink             # 8192 samples per run
-    python -m benchmarks.uplink --smoke     # 2 setups at 100 Mbit/s, 512 samples, bytelm-tiny; for tests
+    python -m benchmarks.uplink --smoke     # 2 setups at 100 Mbit/s, 256 samples, bytelm-tiny; for tests
 
 JSON ``results``: ``task``, ``samples``, ``target_batch_size``, ``diloco_target_batch_size``, ``rates``,
 ``target_val_loss``, ``plot``, ``runs`` (one per rate and setup: ``rate``, ``setup``, ``flags``, ``seconds``,
@@ -217,8 +217,8 @@ def main(argv=None) -> int:
     p.add_argument("--setups", default=None, help=f"comma-separated, of {', '.join(SETUPS)} (default all)")
     p.add_argument("--samples", type=int, default=None, help="samples the swarm trains per run")
     p.add_argument("--target-batch-size", type=int, default=128, help="the sync setups' target batch")
-    p.add_argument("--diloco-factor", type=int, default=8,
-                   help="the DiLoCo setups' target batch, in multiples of the sync setups'")
+    p.add_argument("--diloco-factor", type=int, default=None,
+                   help="the DiLoCo setups' target batch, in multiples of the sync setups' (default 8; smoke 4)")
     p.add_argument("--target-val-loss", type=float, default=None,
                    help="the loss time-to-target is measured at (default: the highest final loss of all runs)")
     args = p.parse_args(argv)
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     rates = (args.rates or common.by_mode(mode, smoke="100mbit", quick="20mbit,100mbit", full="20mbit,100mbit"))
     setups = (args.setups or common.by_mode(mode, smoke="sync-fp32,diloco-int4-ef", quick="", full="")).split(",")
     setups = [setup for setup in SETUPS if setup in setups or setups == [""]]
-    samples = args.samples or common.by_mode(mode, smoke=512, quick=4096, full=8192)
+    samples = args.samples or common.by_mode(mode, smoke=256, quick=4096, full=8192)
     batch_size = 32
     settings = {
         "task": common.by_mode(mode, smoke="bytelm-tiny", quick="bytelm", full="bytelm"),
@@ -237,7 +237,8 @@ def main(argv=None) -> int:
         "max_seconds": common.by_mode(mode, smoke=240, quick=600, full=1200),
         "cores": sorted(os.sched_getaffinity(0))[:2] * 2,
     }
-    settings["diloco_target_batch_size"] = settings["target_batch_size"] * args.diloco_factor
+    factor = args.diloco_factor or common.by_mode(mode, smoke=4, quick=8, full=8)
+    settings["diloco_target_batch_size"] = settings["target_batch_size"] * factor
     settings["diloco_inner_steps"] = settings["diloco_target_batch_size"] // batch_size  # a peer never idles
     results = {"task": settings["task"], "samples": samples, "target_batch_size": settings["target_batch_size"],
                "diloco_target_batch_size": settings["diloco_target_batch_size"], "rates": rates.split(","),
