@@ -16,7 +16,7 @@ from hivemind.utils import get_dht_time
 from dht.config import DHTConfig
 from dht.identity import IdentityInUse, ensure_identity
 from dht.keys import SwarmKeys
-from dht.node import DHTStartError, clock_offset_from, shutdown_dht, start_dht, visible_maddrs
+from dht.node import DHTStartError, clock_offset_from, quiet_dht_logs, shutdown_dht, start_dht, visible_maddrs
 from dht.records import record_validators
 from peer.config import load_config
 from peer.testing import session_processes
@@ -156,3 +156,19 @@ def session_p2pds():
         except psutil.Error:  # it exited meanwhile
             continue
     return found
+
+
+async def _say_on_stderr(dht, node) -> None:
+    """Runs inside the DHT process."""
+    print("the DHT process speaks", file=sys.stderr, flush=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_quieted_dht_process_prints_nothing_on_the_stderr_it_shares_with_the_peer(dhts, capfd):
+    # what it would print: the traceback of an EOFError, when an averager process exits with a request in its pipe
+    dht = dhts(DHTConfig(**FAST))
+    dht.run_coroutine(_say_on_stderr)
+    assert "the DHT process speaks" in capfd.readouterr().err
+    quiet_dht_logs(dht)
+    dht.run_coroutine(_say_on_stderr)
+    assert "the DHT process speaks" not in capfd.readouterr().err
