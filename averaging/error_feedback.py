@@ -16,13 +16,14 @@ and the averager's writes apart. Residuals never hold NaN or Inf: a non-finite v
 """
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import CompressionBase, CompressionInfo
+
+from averaging.carried import Carried
 
 
 def finite(tensor: torch.Tensor) -> torch.Tensor:
@@ -78,29 +79,16 @@ class ErrorFeedback:
 
 # --- attaching one to an averager before it forks ---------------------------------------------
 
-_being_built: Optional[ErrorFeedback] = None
-
-
-@contextlib.contextmanager
-def building(feedback: Optional[ErrorFeedback]) -> Iterator[None]:
-    """Averagers started inside this block carry `feedback`, with residuals shaped like their tensors."""
-    global _being_built
-    previous, _being_built = _being_built, feedback
-    try:
-        yield
-    finally:
-        _being_built = previous
+feedbacks: Carried[ErrorFeedback] = Carried("error_feedback")
+building = feedbacks.building
+of = feedbacks.of
 
 
 def carry(averager) -> None:
     """Called as an averager starts, in the training process (its averaged tensors exist by then)."""
-    if _being_built is not None:
-        _being_built.allocate_like(averager._averaged_tensors)
-    averager._swarmtrain_error_feedback = _being_built
-
-
-def of(averager) -> Optional[ErrorFeedback]:
-    return getattr(averager, "_swarmtrain_error_feedback", None)
+    feedback = feedbacks.attach(averager)
+    if feedback is not None:
+        feedback.allocate_like(averager._averaged_tensors)
 
 
 # --- inside the all-reduce --------------------------------------------------------------------

@@ -339,7 +339,7 @@ _plain_get_stub = DecentralizedAverager.get_stub
 
 def _run_in_background_prepared(self: DecentralizedAverager, *args, **kwargs):
     # before the fork: the averager's process inherits both
-    robust_allreduce.carry_defence(self)
+    robust_allreduce.defences.attach(self)
     error_feedback.carry(self)
     completeness.attach(self)
     return _plain_run_in_background(self, *args, **kwargs)

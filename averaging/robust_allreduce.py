@@ -16,19 +16,19 @@ The hivemind patches that call into here are installed by averaging/hivemind_com
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
 import queue
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.p2p import PeerID
 
+from averaging.carried import Carried
 from averaging.robust import Contribution, Drop, NothingToAggregate, RobustPolicy, aggregate
 
 logger = logging.getLogger(__name__)
@@ -92,31 +92,16 @@ class Defence:
 
 # --- which Defence an averager carries ------------------------------------------------------------
 
-_being_built: Optional[Defence] = None
+defences: Carried[Defence] = Carried("defence")
+building = defences.building
 active: Optional[Defence] = None
 """In an averager process: the Defence of the averager it runs (one averager per process)."""
-
-
-@contextlib.contextmanager
-def building(defence: Optional[Defence]) -> Iterator[None]:
-    """Averagers started inside this block carry `defence` (into their process, at fork)."""
-    global _being_built
-    previous, _being_built = _being_built, defence
-    try:
-        yield
-    finally:
-        _being_built = previous
-
-
-def carry_defence(averager) -> None:
-    """Called as an averager starts, in the main process: remember the Defence being built."""
-    averager._swarmtrain_defence = _being_built
 
 
 def activate_defence(averager) -> None:
     """Called first thing in the averager's own process."""
     global active
-    active = getattr(averager, "_swarmtrain_defence", None)
+    active = defences.of(averager)
 
 
 def is_excluded(peer_id: PeerID) -> bool:
