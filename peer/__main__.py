@@ -1,3 +1,3 @@
-from peer.cli import main
+from peer.entry import run
 
-main()
+run()

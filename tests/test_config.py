@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -212,6 +213,32 @@ def test_installed_entry_point_reports_bad_input_without_traceback():
     assert result.returncode == 2, result.stderr
     assert "did you mean 'bytelm'" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_the_entry_point_exits_without_teardown_yet_loses_no_output_and_keeps_its_code(tmp_path):
+    """peer/entry.py ends the process from its last exit handler: what was printed (a pipe's buffer, the logging
+    module's), the exit code, and the other exit handlers' work (multiprocessing's) must all survive that."""
+    script = tmp_path / "exits.py"
+    script.write_text(  # a stand-in for peer.cli, whose imports register their exit handlers after entry.py's
+        "import sys, types\n"
+        "def main(argv=None):\n"
+        "    import atexit, logging, multiprocessing, time\n"
+        "    atexit.register(lambda: print('a later exit handler ran', flush=False))\n"
+        "    child = multiprocessing.get_context('fork').Process(target=time.sleep, args=(0.5,), daemon=False)\n"
+        "    child.start()  # joined by multiprocessing's own exit handler, before the process ends\n"
+        "    print(f'child {child.pid}', flush=False)\n"
+        "    logging.basicConfig(stream=sys.stderr)\n"
+        "    logging.getLogger('x').warning('logged last')\n"
+        "    sys.exit(3)\n"
+        "sys.modules['peer.cli'] = types.SimpleNamespace(main=main)\n"
+        "from peer import entry\n"
+        "entry.run()\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert result.returncode == 3, result.stderr
+    assert "a later exit handler ran" in result.stdout and "logged last" in result.stderr, result
+    child_pid = int(result.stdout.split("child ")[1].split()[0])
+    assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
 
 
 def test_only_the_peer_that_starts_a_swarm_prints_how_to_join_it():
