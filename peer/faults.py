@@ -30,11 +30,14 @@ Every injected fault is logged as a warning that says it was injected.
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -60,17 +63,26 @@ HOSTILE_PEERS = {
 """The attackers that the robustness test and benchmark send against honest peers, by name."""
 
 
-class _ScaledGradient(torch.autograd.Function):
+def _scaled_gradient(loss: torch.Tensor, factor: float) -> torch.Tensor:
     """The identity on the loss; its gradient is multiplied by `factor` (NaN: the gradients are NaN)."""
+    return _scaled_gradient_function().apply(loss, factor)
 
-    @staticmethod
-    def forward(ctx, loss, factor: float):
-        ctx.factor = factor
-        return loss.view_as(loss)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
+@functools.lru_cache(maxsize=None)
+def _scaled_gradient_function():
+    import torch  # here, not at the top: `peer swarm` and the test harness read a FaultPlan without torch
+
+    class ScaledGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, loss, factor: float):
+            ctx.factor = factor
+            return loss.view_as(loss)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * ctx.factor, None
+
+    return ScaledGradient
 
 
 class InjectedFault(RuntimeError):
@@ -98,9 +110,9 @@ class FaultInjector:
             return loss * float("nan")
         if self._batches in self.plan.nan_gradients_at_steps:
             logger.warning(f"injected fault: the gradients of local batch {self._batches} are NaN")
-            return _ScaledGradient.apply(loss, float("nan"))
+            return _scaled_gradient(loss, float("nan"))
         if self._hostile_factor is not None:
-            return _ScaledGradient.apply(loss, self._hostile_factor)
+            return _scaled_gradient(loss, self._hostile_factor)
         return loss
 
     def max_epochs(self, configured: Optional[int]) -> Optional[int]:

@@ -30,13 +30,15 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Type, TypeVar
+from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Sequence, Type, TypeVar
 
 import psutil
-import torch
 
 from peer.events import Event, Exited, Ready, latest_epoch, read_events
 from peer.faults import FaultPlan
+
+if TYPE_CHECKING:  # torch is imported where a checkpoint is read: `peer swarm` runs without it
+    import torch
 
 POLL_SECONDS = 0.1
 KILL_WAIT_SECONDS = 10.0

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -48,3 +50,13 @@ def test_commands_that_read_a_swarm_describe_initial_peers_as_such(command):
     assert "--initial-peers LIST Comma-separated multiaddrs of any peers or bootstrap nodes of the swarm" in text
     assert "empty starts a new swarm" not in text
     assert "empty starts a new swarm" in " ".join(help_of("start", "--help").split())
+
+
+def test_help_and_the_local_swarm_launcher_run_without_torch():
+    """torch (with hivemind) costs seconds of CPU to import: `peer --help` and `peer swarm`, which only starts
+    `peer start` processes, must not pay it (a fresh interpreter: this one imported torch long ago)."""
+    check = ("import sys; from peer.cli import cli; import peer.swarm, peer.testing; "
+             "print(sorted(name for name in ('torch', 'hivemind') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
