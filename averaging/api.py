@@ -118,6 +118,10 @@ class SwarmOptimizer(Protocol):
         """Whether a round that went wrong (APART) may have left this peer's state different from the swarm's,
         and it has not downloaded since."""
 
+    @property
+    def downloaded_at_epoch(self) -> Optional[int]:
+        """The epoch of the last state this peer downloaded (None if it never did)."""
+
     def step(self, batch_size: Optional[int] = None) -> None:
         """Account one local batch (gradients are in the parameters' .grad); may average or download."""
 

@@ -1,4 +1,4 @@
-"""The averaging rounds this process has started, so that a stopping peer can drop those nobody will join.
+"""The averaging rounds this process has started, so that a peer can drop those nobody will join.
 
 hivemind looks for a group until a round's timeout: with `--averaging-timeout-seconds auto`
 that starts at two minutes. A peer whose partners have left (their progress records outlive
@@ -8,10 +8,12 @@ state-averaging round that its final checkpoint waits on. hivemind's own shutdow
 rounds still looking for a group, but only after both waits.
 
 averaging/hivemind_compat.py records every round started through hivemind's averagers in
-this process; a `RoundAbandoner` cancels, once the peer is leaving, those still looking for a
-group after a grace period. A cancelled round fails the way a timed-out one does: the peer goes on with
-its own gradients or parameters. Rounds that found their group are left to finish, since
-their groupmates wait for this peer's part.
+this process; a `RoundAbandoner` cancels those still looking for a group after a grace period,
+once the peer is leaving, or once every other peer is (a straggler one epoch behind peers that
+reached --max-epochs would otherwise wait out a gradient round and a state round that nobody
+joins). A cancelled round fails the way a timed-out one does: the peer goes on with its own
+gradients or parameters. Rounds that found their group are left to finish, since their
+groupmates wait for this peer's part.
 """
 from __future__ import annotations
 
@@ -39,8 +41,13 @@ class RoundAbandoner(threading.Thread):
 
     def run(self) -> None:
         while not self._finished.wait(self.poll_seconds):
-            if self.leaving():
+            if self._looking() and self.leaving():  # leaving() may read the DHT: only when it matters
                 self.poll()
+
+    @staticmethod
+    def _looking() -> list:
+        return [control for control in list(hivemind_compat.open_rounds)
+                if not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP]
 
     def finish(self, timeout_seconds: float = 1.0) -> None:
         self._finished.set()
@@ -50,12 +57,11 @@ class RoundAbandoner(threading.Thread):
     def poll(self) -> int:
         """One pass: cancel the rounds that have looked long enough; return how many."""
         now, grace, cancelled = self.clock(), self.grace_seconds(), 0
-        for control in list(hivemind_compat.open_rounds):
-            if control.done() or control.stage != AveragingStage.LOOKING_FOR_GROUP:
-                continue
+        for control in self._looking():
             since = self._looking_since.setdefault(control, now)
             if now - since >= grace and control.cancel():
                 cancelled += 1
         if cancelled:
-            logger.info(f"leaving: abandoned {cancelled} averaging round(s) that found no group within {grace:.0f}s")
+            logger.info(f"abandoned {cancelled} averaging round(s) that found no group within {grace:.0f}s "
+                        f"(this peer is leaving, or every other peer is)")
         return cancelled

@@ -60,6 +60,7 @@ class RoundKeeper:
         self._next_donor_check = float("-inf")
         self._settled_check_at: Optional[float] = None
         self._failed_downloads, self._next_download_at = 0, float("-inf")
+        self.downloaded_at_epoch: Optional[int] = None  # the epoch of the last state this peer downloaded
         self.clock = time.monotonic
 
     def excluded_peer_ids(self) -> frozenset:
@@ -177,6 +178,7 @@ class RoundKeeper:
 
     def report_download(self, loaded: bool, local_epoch: int) -> None:
         if loaded:
+            self.downloaded_at_epoch = local_epoch
             self.hooks.state_loaded(local_epoch)
         else:
             logger.warning(f"no peer sent a usable state in {self.load_state_attempts} attempts; "

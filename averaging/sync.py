@@ -85,6 +85,10 @@ class SyncOptimizer(hivemind.Optimizer):
     def apart(self) -> bool:
         return self.rounds.apart
 
+    @property
+    def downloaded_at_epoch(self) -> Optional[int]:
+        return self.rounds.downloaded_at_epoch
+
     def swarm_view(self, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
         return progress.swarm_view(self.tracker, refresh_timeout_seconds)
 

@@ -71,25 +71,30 @@ def may_have_final_state(epoch: int, progress: Mapping[bytes, object], me: bytes
 
 
 def final_state_source(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
-                       me: bytes) -> Source:
-    """For a peer whose last round failed, leaving at `epoch`: download, offer its own state, or wait."""
-    downloading = []
+                       me: bytes, waited_out: bool = False) -> Source:
+    """For a peer whose last round failed, leaving at `epoch`: download, offer its own state, or wait.
+
+    waited_out: the wait for peers that have not said is over; a silent peer at `epoch` now counts as one whose
+    round failed too (it may still be in a round that will fail: the smallest id must offer, or the peers that
+    gave up at the same time would each download another's state), and one behind is no longer waited for.
+    """
+    failed = []
     for owner, record in progress.items():
         their_epoch = _epoch(record)
         if owner == me or their_epoch is None or their_epoch < epoch - 1:
             continue
+        state, offers = _announced(leaving.get(owner), their_epoch)
         if their_epoch == epoch - 1:  # may be in its last round: wait, unless it is done at that epoch
-            if _announced(leaving.get(owner), their_epoch)[0] != DONE:
+            if not waited_out and state != DONE:
                 return Source.WAIT
             continue
-        state, offers = _announced(leaving.get(owner), their_epoch)
         if (state == DONE and offers) or (their_epoch > epoch and state is None):
             return Source.DOWNLOAD
-        if state is None:
+        if state is None and not waited_out:
             return Source.WAIT
-        if state == DOWNLOADING:
-            downloading.append(owner)
-    return Source.OFFER if all(me < owner for owner in downloading) else Source.WAIT
+        if state != DONE:
+            failed.append(owner)
+    return Source.OFFER if all(me < owner for owner in failed) else Source.WAIT
 
 
 def _announced(record: object, epoch: int) -> Tuple[Optional[str], bool]:
@@ -97,6 +102,24 @@ def _announced(record: object, epoch: int) -> Tuple[Optional[str], bool]:
     if not isinstance(record, dict) or record.get("epoch") != epoch:
         return None, False
     return record.get("state"), record.get("offers") is True
+
+
+def everyone_else_done(progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes) -> bool:
+    """Whether there are other peers and each has announced that it is done: nobody is left to wait for."""
+    return _everyone_else_announced(progress, leaving, me, (DONE,))
+
+
+def everyone_else_leaving(progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes) -> bool:
+    """Whether there are other peers and each has announced that it leaves (downloading or done): none of them
+    will look for an averaging group again, so a round of this peer's that is still looking will find none."""
+    return _everyone_else_announced(progress, leaving, me, (DOWNLOADING, DONE))
+
+
+def _everyone_else_announced(progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes,
+                             states: Tuple[str, ...]) -> bool:
+    others = [(owner, _epoch(record)) for owner, record in progress.items() if owner != me]
+    return bool(others) and all(
+        epoch is not None and _announced(leaving.get(owner), epoch)[0] in states for owner, epoch in others)
 
 
 def needs_of_others(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],

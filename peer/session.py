@@ -21,6 +21,7 @@ subkey, for as long as progress records live.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Callable, Dict, Optional
@@ -36,6 +37,8 @@ from peer.leaving import (
     DOWNLOADING,
     Need,
     Source,
+    everyone_else_done,
+    everyone_else_leaving,
     final_state_source,
     has_final_state_elsewhere,
     has_peer_behind,
@@ -67,8 +70,9 @@ class SwarmSession:
         self.on_progress = on_progress  # heartbeat for /healthz: waiting for peers by design is not a stall
         self.me = own_subkey()
         self._leaving = threading.Event()
+        self._others_leaving_read_at, self._others_leaving = -math.inf, False
         self._round_abandoner = RoundAbandoner(
-            leaving=lambda: bool(stop) or self._leaving.is_set(),
+            leaving=lambda: bool(stop) or self._leaving.is_set() or self._others_leaving_now(),
             grace_seconds=lambda: optimizer.deadlines.matchmaking_seconds + 1.0,
         )
         self._round_abandoner.start()
@@ -115,28 +119,35 @@ class SwarmSession:
         """End with the swarm's weights, and stay while a straggler may need ours.
 
         Stays one matchmaking window, then while peer.leaving says another peer needs this one, for
-        at most three averaging timeouts: a peer that died behind must not keep it forever.
+        at most three averaging timeouts: a peer that died behind must not keep it forever. Once every
+        other peer has said it is done, nobody is left to serve: it leaves at once.
         """
         deadlines, epoch = self.optimizer.deadlines, self.optimizer.local_epoch
         matchmaking, timeout = deadlines.matchmaking_seconds, deadlines.averaging_timeout_seconds
         now = time.monotonic()
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
         progress = read_by_owner(self.dht, self.keys.progress)  # fresh: the tracker's view may lag
-        apart = last_round_outcome in APART or self.optimizer.apart
+        # a state downloaded at the last epoch may predate its donor's last parameter round (hivemind averages
+        # parameters in the background and applies the result a step later): take the state a peer offers once its
+        # rounds have landed, as a peer whose last round failed does (seen: a straggler ended 5e-4 apart)
+        apart = (last_round_outcome in APART or self.optimizer.apart
+                 or self.optimizer.downloaded_at_epoch == epoch)
         # peers that finished first may have stopped reporting progress, but they still offer their state; with a
         # straggler behind, an offer at this epoch may be this peer's own state, served to it: then ask as below
         if apart and not has_peer_behind(epoch, progress, self.me) and self.optimizer.load_state_from_donor_ahead():
             apart = False
         if apart and may_have_final_state(epoch, progress, self.me):
             self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING))
-            offers = self._take_final_state(epoch, give_up_at=now + matchmaking + timeout)
+            offers = self._take_final_state(epoch, patience_seconds=matchmaking + timeout)
         else:
             offers = self.optimizer.offer_final_state()
         self._publish(self.keys.leaving, leave_record(epoch, DONE, offers))
         silent_since: Dict[bytes, float] = {}
         while not self.stop and time.monotonic() < deadline:
-            needs = needs_of_others(epoch, read_by_owner(self.dht, self.keys.progress),
-                                    read_by_owner(self.dht, self.keys.leaving), self.me)
+            progress, leaving = self._progress_and_leave_records()
+            if everyone_else_done(progress, leaving, self.me):
+                return
+            needs = needs_of_others(epoch, progress, leaving, self.me)
             now = time.monotonic()
             for owner, need in needs.items():
                 if need is Need.GRACE:
@@ -149,15 +160,15 @@ class SwarmSession:
                 return
             self.stop.wait(0.5)
 
-    def _take_final_state(self, epoch: int, give_up_at: float) -> bool:
+    def _take_final_state(self, epoch: int, patience_seconds: float) -> bool:
         """After a failed last round: download the state a peer offers, or offer ours if every peer at this
-        epoch failed and ours has the smallest id. True if this peer offers its state."""
-        source = Source.WAIT
-        while source is Source.WAIT and not self.stop and time.monotonic() < give_up_at:
-            source = final_state_source(epoch, read_by_owner(self.dht, self.keys.progress),
-                                        read_by_owner(self.dht, self.keys.leaving), self.me)
-            if source is Source.WAIT:
-                self.stop.wait(0.5)
+        epoch failed and ours has the smallest id. True if this peer offers its state.
+
+        Waits up to `patience_seconds` for the others to say; then those silent at this epoch count as failed too,
+        and it waits as long again for the smallest id's offer (or offers, if that is this peer)."""
+        source = self._final_state_source(epoch, time.monotonic() + patience_seconds, waited_out=False)
+        if source is Source.WAIT:
+            source = self._final_state_source(epoch, time.monotonic() + patience_seconds, waited_out=True)
         if source is Source.WAIT and not has_final_state_elsewhere(epoch, read_by_owner(self.dht, self.keys.progress),
                                                                    self.me):
             source = Source.OFFER  # nobody reached the last epoch in time: this peer's state is the newest there is
@@ -170,10 +181,33 @@ class SwarmSession:
         self.optimizer.load_state_from_peers()
         return False
 
+    def _final_state_source(self, epoch: int, give_up_at: float, waited_out: bool) -> Source:
+        """Read the swarm's records until they say where the final state comes from, or until `give_up_at`."""
+        while True:
+            source = final_state_source(epoch, *self._progress_and_leave_records(), self.me, waited_out)
+            if source is not Source.WAIT or self.stop or time.monotonic() >= give_up_at:
+                return source
+            self.stop.wait(0.5)
+
     def close(self) -> None:
         """After the optimizer has shut down: stop watching its rounds."""
         self._leaving.set()
         self._round_abandoner.finish()
+
+    def _others_leaving_now(self) -> bool:
+        """Whether every other peer has announced that it leaves (read from the DHT at most once a second)."""
+        if time.monotonic() >= self._others_leaving_read_at + 1.0:
+            self._others_leaving_read_at = time.monotonic()
+            try:
+                self._others_leaving = everyone_else_leaving(*self._progress_and_leave_records(), self.me)
+            except Exception as e:  # a DHT that is shutting down: not knowing is no reason to drop a round
+                logger.debug(f"could not read whether the other peers are leaving: {e!r}")
+                self._others_leaving = False
+        return self._others_leaving
+
+    def _progress_and_leave_records(self) -> tuple:
+        """Every peer's progress record and leave record, by owner, read from the DHT now."""
+        return read_by_owner(self.dht, self.keys.progress), read_by_owner(self.dht, self.keys.leaving)
 
     def _publish(self, key: str, value) -> None:
         store_own(self.dht, key, value, self.record_ttl_seconds)

@@ -6,6 +6,8 @@ from peer.leaving import (
     DOWNLOADING,
     Need,
     Source,
+    everyone_else_done,
+    everyone_else_leaving,
     final_state_source,
     has_final_state_elsewhere,
     has_peer_behind,
@@ -54,6 +56,24 @@ def test_malformed_records_are_ignored_or_count_as_silence():
     assert needs_of_others(10, records, {B: {"state": DONE}}, ME) == {B: Need.GRACE}
 
 
+def test_only_a_done_from_every_other_peer_lets_a_peer_leave_before_its_stay_is_over():
+    done = {A: leave_record(10, DONE), B: leave_record(6, DONE)}
+    assert everyone_else_done(progress(me=10, a=10, b=6), done, ME)
+    assert not everyone_else_done(progress(me=10, a=10, b=6), {A: done[A]}, ME)  # b has not said it is done
+    assert not everyone_else_done(progress(me=10, a=11), {}, ME)  # ahead, training on: not a "done"
+    assert not everyone_else_done(progress(me=10, a=10), {A: leave_record(9, DONE)}, ME)  # a stale record
+    assert not everyone_else_done(progress(me=10), {}, ME)  # alone: nobody said anything yet
+
+
+def test_a_swarm_whose_other_peers_all_announced_leaving_will_form_no_round_again():
+    """A straggler one epoch behind peers that reached --max-epochs: its rounds can be dropped."""
+    leaving = {A: leave_record(10, DOWNLOADING), B: leave_record(10, DONE)}
+    assert everyone_else_leaving(progress(me=9, a=10, b=10), leaving, ME)
+    assert not everyone_else_leaving(progress(me=9, a=10, b=10), {A: leaving[A]}, ME)  # b may still train
+    assert not everyone_else_leaving(progress(me=9, a=10), {A: leave_record(8, DONE)}, ME)  # stale: a restarted
+    assert not everyone_else_leaving(progress(me=9), {}, ME)
+
+
 def test_a_final_state_exists_elsewhere_only_if_another_peer_reached_our_epoch():
     assert has_final_state_elsewhere(10, progress(me=10, a=10), ME)
     assert has_final_state_elsewhere(10, progress(me=10, a=11), ME)
@@ -80,6 +100,23 @@ def test_when_every_peer_at_the_epoch_failed_the_smallest_id_offers_and_the_othe
     assert final_state_source(10, records, everyone_failed, ME) is Source.WAIT
     a_offers = {**everyone_failed, A: leave_record(10, DONE, offers=True)}
     assert final_state_source(10, records, a_offers, B) is Source.DOWNLOAD
+
+
+def test_once_the_wait_is_over_silent_peers_count_as_failed_and_only_the_smallest_id_offers():
+    """Seen under load: every peer's last round failed, two said 'downloading' and the third stayed silent in a
+    round of its own; when the first two gave up waiting, each downloaded the other's state, and kept it."""
+    records = progress(me=10, a=10, b=10)
+    two_failed = {ME: leave_record(10, DOWNLOADING), B: leave_record(10, DOWNLOADING)}  # a is silent
+    assert final_state_source(10, records, two_failed, B) is Source.WAIT
+    assert final_state_source(10, records, two_failed, B, waited_out=True) is Source.WAIT  # for a's offer
+    assert final_state_source(10, records, two_failed, ME, waited_out=True) is Source.WAIT
+    assert final_state_source(10, records, two_failed, A, waited_out=True) is Source.OFFER
+    a_offers = {**two_failed, A: leave_record(10, DONE, offers=True)}
+    assert final_state_source(10, records, a_offers, B, waited_out=True) is Source.DOWNLOAD
+    # a peer behind is no longer waited for, and a peer done without an offer is no candidate
+    behind = progress(me=10, a=9, b=10)
+    assert final_state_source(10, behind, {B: leave_record(10, DONE)}, ME) is Source.WAIT
+    assert final_state_source(10, behind, {B: leave_record(10, DONE)}, ME, waited_out=True) is Source.OFFER
 
 
 def test_a_peer_one_epoch_behind_may_be_in_its_last_round_and_is_waited_for_unless_done_there():

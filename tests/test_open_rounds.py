@@ -1,6 +1,7 @@
 """averaging/open_rounds.py: a leaving peer drops rounds that found no group, and only those."""
 from __future__ import annotations
 
+import time
 import weakref
 
 import hivemind
@@ -49,6 +50,26 @@ def test_only_rounds_still_looking_for_a_group_after_the_grace_are_cancelled(mon
     clock.now += 0.1
     assert abandoner.poll() == 1
     assert looking.cancelled and not any(r.cancelled for r in (grouped, running, finished))
+
+
+def test_whether_to_drop_rounds_is_asked_only_while_one_looks_for_a_group(monkeypatch):
+    """leaving() may read the DHT (are all the other peers leaving?): not four times a second for nothing."""
+    rounds = [FakeRound(AveragingStage.RUNNING_ALLREDUCE)]
+    monkeypatch.setattr(hivemind_compat, "open_rounds", weakref.WeakSet(rounds))
+    asked = []
+    abandoner = RoundAbandoner(leaving=lambda: asked.append(True) or True, grace_seconds=lambda: 0.0,
+                               poll_seconds=0.01)
+    abandoner.start()
+    try:
+        time.sleep(0.3)
+        assert not asked
+        looking = FakeRound(AveragingStage.LOOKING_FOR_GROUP)
+        rounds.append(looking)
+        monkeypatch.setattr(hivemind_compat, "open_rounds", weakref.WeakSet(rounds))
+        wait_until(lambda: looking.cancelled, 10, message="the looking round to be cancelled")
+        assert asked and not rounds[0].cancelled
+    finally:
+        abandoner.finish()
 
 
 @pytest.mark.timeout(120)

@@ -87,6 +87,10 @@ class FakeOptimizer:
     def apart(self) -> bool:
         return False
 
+    @property
+    def downloaded_at_epoch(self) -> Optional[int]:
+        return None
+
     def step(self, batch_size: Optional[int] = None) -> None:
         assert len(self.steps) < RUNAWAY, "the training loop did not stop"
         grads = [p.grad for group in self.inner.param_groups for p in group["params"]]
