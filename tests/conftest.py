@@ -8,8 +8,9 @@ import pytest
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--soak-seconds", type=float, default=60.0,
-                     help="How long the churn soak kills and restarts peers (default: 60, as in CI).")
+    parser.addoption("--soak-seconds", type=float, default=30.0,
+                     help="How long the churn soak kills and restarts peers (default: 30, as in CI: with its "
+                          "seed, a SIGKILL, a restart, a SIGTERM and a restart).")
 
 
 @pytest.fixture

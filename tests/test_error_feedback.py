@@ -130,16 +130,11 @@ def test_auto_turns_error_feedback_on_for_our_lossy_codecs_with_gradient_averagi
     assert config.uses_error_feedback is expected
 
 
-@pytest.mark.timeout(120)
-def test_two_averagers_with_int4_and_error_feedback_agree_and_carry_the_loss_into_the_next_round():
-    # two tensors: each peer reduces one (hivemind's parts are larger than these)
-    values = [[gradient_like(2**15, seed=2 * peer), gradient_like(2**15, seed=2 * peer + 1)] for peer in (0, 1)]
-    mean = [(a + b) / 2 for a, b in zip(*values)]
-    feedbacks = [ErrorFeedback(), ErrorFeedback()]
-    codec = make_codec("int4")
+def two_rounds_with_int4_and_feedback(values, feedbacks):
+    """Two real averagers run two rounds, each starting from `values`; what each peer held after each round."""
     results = []
     with averagers([[t.clone() for t in tensors] for tensors in values], prefix="feedback_int4",
-                   feedbacks=feedbacks, compression=codec) as group:
+                   feedbacks=feedbacks, compression=make_codec("int4")) as group:
         for _ in range(2):
             for averager, tensors in zip(group, values):
                 with averager.get_tensors() as buffers:
@@ -151,6 +146,29 @@ def test_two_averagers_with_int4_and_error_feedback_agree_and_carry_the_loss_int
                 with averager.get_tensors() as buffers:
                     round_results.append([buffer.clone() for buffer in buffers])
             results.append(round_results)
+    return results
+
+
+def a_reply_was_lost(results, values) -> bool:
+    """Whether, in some round, a peer kept its own values for a tensor: hivemind ends a round partial when a
+    reducer's reply does not arrive (seen under load in CI), and that part stays as the peer's own."""
+    return any(torch.allclose(held, own, atol=1e-5) for round_results in results
+               for peer_results, peer_values in zip(round_results, values)
+               for held, own in zip(peer_results, peer_values))
+
+
+@pytest.mark.timeout(240)
+def test_two_averagers_with_int4_and_error_feedback_agree_and_carry_the_loss_into_the_next_round():
+    # two tensors: each peer reduces one (hivemind's parts are larger than these)
+    values = [[gradient_like(2**15, seed=2 * peer), gradient_like(2**15, seed=2 * peer + 1)] for peer in (0, 1)]
+    mean = [(a + b) / 2 for a, b in zip(*values)]
+    for _attempt in range(3):  # the arithmetic below holds for full rounds only; a lost reply is hivemind's, not ours
+        feedbacks = [ErrorFeedback(), ErrorFeedback()]
+        results = two_rounds_with_int4_and_feedback(values, feedbacks)
+        if not a_reply_was_lost(results, values):
+            break
+    else:
+        pytest.fail("every attempt lost a reducer's reply")
 
     for round_results in results:  # the peers agree, up to the fp16 of the replies
         for mine, theirs, average in zip(*round_results, mean):
