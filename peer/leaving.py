@@ -44,13 +44,32 @@ class Need(enum.Enum):
     SERVE = "serve"  # behind, or downloading: stay for it
 
 
-def leave_record(epoch: int, state: str, offers: bool = False) -> dict:
-    return {"epoch": epoch, "state": state, "offers": offers}
+def leave_record(epoch: int, state: str, offers: bool = False, downloaded: bool = False) -> dict:
+    """downloaded: this peer's state at `epoch` is a copy of a donor's; it waits for an offer, never offers instead."""
+    return {"epoch": epoch, "state": state, "offers": offers, "downloaded": downloaded}
 
 
 def _epoch(record: object) -> Optional[int]:
     epoch = record.get("epoch") if isinstance(record, dict) else None
     return epoch if isinstance(epoch, int) else None
+
+
+def _current_epochs(progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
+                    me: bytes) -> Dict[bytes, int]:
+    """Every other peer's epoch: its progress record's, or its leave record's where that one is newer.
+
+    hivemind publishes no progress for a peer that accumulates no samples (an auxiliary peer, to it), so a peer
+    that downloaded the state at its last epoch and left at once keeps a progress record an epoch behind (seen:
+    its partner, whose own last round had failed, waited two patience windows for it). A leave record is written
+    by its owner at the epoch it leaves at: never ahead of it.
+    """
+    epochs = {}
+    for owner, record in progress.items():
+        epoch = _epoch(record)
+        if owner != me and epoch is not None:
+            announced = _epoch(leaving.get(owner))
+            epochs[owner] = epoch if announced is None else max(epoch, announced)
+    return epochs
 
 
 def has_final_state_elsewhere(epoch: int, progress: Mapping[bytes, object], me: bytes) -> bool:
@@ -71,17 +90,18 @@ def may_have_final_state(epoch: int, progress: Mapping[bytes, object], me: bytes
 
 
 def final_state_source(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
-                       me: bytes, waited_out: bool = False) -> Source:
+                       me: bytes, waited_out: bool = False, candidate: bool = True) -> Source:
     """For a peer whose last round failed, leaving at `epoch`: download, offer its own state, or wait.
 
     waited_out: the wait for peers that have not said is over; a silent peer at `epoch` now counts as one whose
     round failed too (it may still be in a round that will fail: the smallest id must offer, or the peers that
     gave up at the same time would each download another's state), and one behind is no longer waited for.
+    candidate: False for a peer whose state at `epoch` was downloaded: it only copies a donor's, so it waits for an
+    offer and never offers in the place of the peers whose rounds failed (nor do they wait for it to).
     """
     failed = []
-    for owner, record in progress.items():
-        their_epoch = _epoch(record)
-        if owner == me or their_epoch is None or their_epoch < epoch - 1:
+    for owner, their_epoch in _current_epochs(progress, leaving, me).items():
+        if their_epoch < epoch - 1:
             continue
         state, offers = _announced(leaving.get(owner), their_epoch)
         if their_epoch == epoch - 1:  # may be in its last round: wait, unless it is done at that epoch
@@ -92,9 +112,9 @@ def final_state_source(epoch: int, progress: Mapping[bytes, object], leaving: Ma
             return Source.DOWNLOAD
         if state is None and not waited_out:
             return Source.WAIT
-        if state != DONE:
+        if state != DONE and not _announced_copy(leaving.get(owner), their_epoch):
             failed.append(owner)
-    return Source.OFFER if all(me < owner for owner in failed) else Source.WAIT
+    return Source.OFFER if candidate and all(me < owner for owner in failed) else Source.WAIT
 
 
 def _announced(record: object, epoch: int) -> Tuple[Optional[str], bool]:
@@ -102,6 +122,11 @@ def _announced(record: object, epoch: int) -> Tuple[Optional[str], bool]:
     if not isinstance(record, dict) or record.get("epoch") != epoch:
         return None, False
     return record.get("state"), record.get("offers") is True
+
+
+def _announced_copy(record: object, epoch: int) -> bool:
+    """Whether a leave record for `epoch` says that its owner's state there is a downloaded copy."""
+    return _announced(record, epoch)[0] is not None and record.get("downloaded") is True
 
 
 def everyone_else_done(progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes) -> bool:
@@ -117,9 +142,8 @@ def everyone_else_leaving(progress: Mapping[bytes, object], leaving: Mapping[byt
 
 def _everyone_else_announced(progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes,
                              states: Tuple[str, ...]) -> bool:
-    others = [(owner, _epoch(record)) for owner, record in progress.items() if owner != me]
-    return bool(others) and all(
-        epoch is not None and _announced(leaving.get(owner), epoch)[0] in states for owner, epoch in others)
+    others = _current_epochs(progress, leaving, me)
+    return bool(others) and all(_announced(leaving.get(owner), epoch)[0] in states for owner, epoch in others.items())
 
 
 def needs_of_others(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
@@ -130,10 +154,7 @@ def needs_of_others(epoch: int, progress: Mapping[bytes, object], leaving: Mappi
     leaving: the leave records by owner. Malformed records count as silence, never as an error.
     """
     needs = {}
-    for owner, record in progress.items():
-        their_epoch = _epoch(record)
-        if owner == me or their_epoch is None:
-            continue
+    for owner, their_epoch in _current_epochs(progress, leaving, me).items():
         state, _ = _announced(leaving.get(owner), their_epoch)
         if state == DONE or (their_epoch > epoch and state is None):
             needs[owner] = Need.NOTHING  # done at its own epoch (a lower --max-epochs, too), or training on ahead

@@ -130,15 +130,15 @@ class SwarmSession:
         # a state downloaded at the last epoch may predate its donor's last parameter round (hivemind averages
         # parameters in the background and applies the result a step later): take the state a peer offers once its
         # rounds have landed, as a peer whose last round failed does (seen: a straggler ended 5e-4 apart)
-        apart = (last_round_outcome in APART or self.optimizer.apart
-                 or self.optimizer.downloaded_at_epoch == epoch)
+        copy = self.optimizer.downloaded_at_epoch == epoch
+        apart = last_round_outcome in APART or self.optimizer.apart or copy
         # peers that finished first may have stopped reporting progress, but they still offer their state; with a
         # straggler behind, an offer at this epoch may be this peer's own state, served to it: then ask as below
         if apart and not has_peer_behind(epoch, progress, self.me) and self.optimizer.load_state_from_donor_ahead():
             apart = False
         if apart and may_have_final_state(epoch, progress, self.me):
-            self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING))
-            offers = self._take_final_state(epoch, patience_seconds=matchmaking + timeout)
+            self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING, downloaded=copy))
+            offers = self._take_final_state(epoch, patience_seconds=matchmaking + timeout, candidate=not copy)
         else:
             offers = self.optimizer.offer_final_state()
         self._publish(self.keys.leaving, leave_record(epoch, DONE, offers))
@@ -160,15 +160,16 @@ class SwarmSession:
                 return
             self.stop.wait(0.5)
 
-    def _take_final_state(self, epoch: int, patience_seconds: float) -> bool:
+    def _take_final_state(self, epoch: int, patience_seconds: float, candidate: bool) -> bool:
         """After a failed last round: download the state a peer offers, or offer ours if every peer at this
         epoch failed and ours has the smallest id. True if this peer offers its state.
 
         Waits up to `patience_seconds` for the others to say; then those silent at this epoch count as failed too,
-        and it waits as long again for the smallest id's offer (or offers, if that is this peer)."""
-        source = self._final_state_source(epoch, time.monotonic() + patience_seconds, waited_out=False)
+        and it waits as long again for the smallest id's offer (or offers, if that is this peer). A peer that is
+        no candidate (peer.leaving.final_state_source) only waits for an offer."""
+        source = self._final_state_source(epoch, time.monotonic() + patience_seconds, False, candidate)
         if source is Source.WAIT:
-            source = self._final_state_source(epoch, time.monotonic() + patience_seconds, waited_out=True)
+            source = self._final_state_source(epoch, time.monotonic() + patience_seconds, True, candidate)
         if source is Source.WAIT and not has_final_state_elsewhere(epoch, read_by_owner(self.dht, self.keys.progress),
                                                                    self.me):
             source = Source.OFFER  # nobody reached the last epoch in time: this peer's state is the newest there is
@@ -177,14 +178,15 @@ class SwarmSession:
                         "offering this peer's state as the final state, for the others to download")
             return self.optimizer.offer_final_state()
         # a donor offers its state, or none said in time: the best-ranked donor is the best guess
-        logger.info("the last averaging round failed: downloading the swarm's final state before leaving")
+        why = "the last averaging round failed" if candidate else "this peer's state came by download at this epoch"
+        logger.info(f"{why}: downloading the swarm's final state before leaving")
         self.optimizer.load_state_from_peers()
         return False
 
-    def _final_state_source(self, epoch: int, give_up_at: float, waited_out: bool) -> Source:
+    def _final_state_source(self, epoch: int, give_up_at: float, waited_out: bool, candidate: bool) -> Source:
         """Read the swarm's records until they say where the final state comes from, or until `give_up_at`."""
         while True:
-            source = final_state_source(epoch, *self._progress_and_leave_records(), self.me, waited_out)
+            source = final_state_source(epoch, *self._progress_and_leave_records(), self.me, waited_out, candidate)
             if source is not Source.WAIT or self.stop or time.monotonic() >= give_up_at:
                 return source
             self.stop.wait(0.5)

@@ -51,6 +51,30 @@ def test_a_leave_record_from_an_earlier_epoch_is_stale():
     assert needs_of_others(10, progress(a=9, b=10), leaving, ME) == {A: Need.SERVE, B: Need.GRACE}
 
 
+def test_a_leave_record_ahead_of_a_lagging_progress_record_gives_the_epoch():
+    """hivemind stops publishing the progress of a peer that accumulates no samples: one that downloaded the state
+    at epoch 10 and left at once still has a progress record at 9, but its own leave record says 10."""
+    offered = {A: leave_record(10, DONE, offers=True)}
+    assert final_state_source(10, progress(me=10, a=9), offered, ME) is Source.DOWNLOAD
+    assert needs_of_others(10, progress(me=10, a=9), offered, ME) == {A: Need.NOTHING}
+    assert everyone_else_done(progress(me=10, a=9), offered, ME)
+    downloading = {A: leave_record(10, DOWNLOADING)}  # failed at 10 too: the smaller id offers, the other waits
+    assert final_state_source(10, progress(me=10, a=9), downloading, ME) is Source.WAIT
+    assert final_state_source(10, progress(a=10, b=9), {B: leave_record(10, DOWNLOADING)}, A) is Source.OFFER
+
+
+def test_a_peer_whose_state_was_downloaded_at_the_epoch_waits_for_an_offer_and_is_not_waited_for():
+    """A straggler that downloaded a failed peer's state at the last epoch holds a copy of it: the failed peer
+    offers its own without waiting for the copy's holder, who takes the offer and never offers in its place."""
+    copy = {A: leave_record(10, DOWNLOADING, downloaded=True)}
+    assert final_state_source(10, progress(me=10, a=9), copy, ME) is Source.OFFER  # a has the smaller id
+    failed = {ME: leave_record(10, DOWNLOADING)}
+    assert final_state_source(10, progress(me=10, a=10), failed, A, candidate=False) is Source.WAIT
+    assert final_state_source(10, progress(me=10, a=10), failed, A, waited_out=True, candidate=False) is Source.WAIT
+    offered = {ME: leave_record(10, DONE, offers=True)}
+    assert final_state_source(10, progress(me=10, a=10), offered, A, candidate=False) is Source.DOWNLOAD
+
+
 def test_malformed_records_are_ignored_or_count_as_silence():
     records = {A: "not a dict", B: {"epoch": 10}, b"c": {"epoch": "ten"}}
     assert needs_of_others(10, records, {B: {"state": DONE}}, ME) == {B: Need.GRACE}
