@@ -39,6 +39,33 @@ class MetricsBindError(OSError):
     peer on this machine), the host is not an address of this machine, or the port needs privileges."""
 
 
+def check_can_listen(host: str, port: int) -> None:
+    """Bind host:port for a moment as MetricsExporter.start() does (address reuse on), so that a peer can say
+    before it builds anything that its endpoint cannot listen there.
+
+    :raises MetricsBindError: why not, in one line (its strerror), with the fix
+    """
+    server_class = _Server6 if ":" in host else _Server
+    try:
+        server_class((host, port), _Handler).server_close()
+    except OSError as e:
+        raise MetricsBindError(e.errno, _why_not(host, port, e)) from e
+
+
+def _why_not(host: str, port: int, error: OSError) -> str:
+    if error.errno == errno.EADDRINUSE:
+        return (f"metrics port {port} on {host} is already in use; choose another port with "
+                f"--metrics-port, or --metrics-port 0 to pick a free one")
+    if error.errno == errno.EADDRNOTAVAIL:
+        return (f"--metrics-host {host} is not an address of this machine; use 0.0.0.0 (every interface), "
+                f"127.0.0.1 (this machine only) or one of its own addresses")
+    if error.errno == errno.EACCES:
+        return (f"metrics port {port} needs root (ports below 1024 are privileged); choose a port above 1023 "
+                f"with --metrics-port")
+    return (f"cannot serve metrics on {host}:{port} ({error.strerror or error}); "
+            f"fix --metrics-host / --metrics-port, or --metrics-port off")
+
+
 def _always_healthy() -> Tuple[bool, str]:
     return True, "ok"
 
@@ -72,7 +99,7 @@ class MetricsExporter:
             server_class = _Server6 if ":" in self.host else _Server
             server = server_class((self.host, self.port), _Handler)
         except OSError as e:
-            raise MetricsBindError(e.errno, self._why_not(e)) from e
+            raise MetricsBindError(e.errno, _why_not(self.host, self.port, e)) from e
         server.exporter = self
         self._server = server
         self._thread = threading.Thread(
@@ -82,19 +109,6 @@ class MetricsExporter:
         bound_port = server.server_address[1]
         logger.info("serving /metrics and /healthz on http://%s:%d", self.host, bound_port)
         return bound_port
-
-    def _why_not(self, error: OSError) -> str:
-        if error.errno == errno.EADDRINUSE:
-            return (f"metrics port {self.port} on {self.host} is already in use; choose another port with "
-                    f"--metrics-port, or --metrics-port 0 to pick a free one")
-        if error.errno == errno.EADDRNOTAVAIL:
-            return (f"--metrics-host {self.host} is not an address of this machine; use 0.0.0.0 (every interface), "
-                    f"127.0.0.1 (this machine only) or one of its own addresses")
-        if error.errno == errno.EACCES:
-            return (f"metrics port {self.port} needs root (ports below 1024 are privileged); choose a port above 1023 "
-                    f"with --metrics-port")
-        return (f"cannot serve metrics on {self.host}:{self.port} ({error.strerror or error}); "
-                f"fix --metrics-host / --metrics-port, or --metrics-port off")
 
     @property
     def bound_port(self) -> Optional[int]:

@@ -14,7 +14,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional
 
-from dht.node import DHTStartCancelled, DHTStartError, check_listen_addresses, visible_maddrs
+from dht.node import DHTStartCancelled, DHTStartError, visible_maddrs
 from peer import lifeline
 from peer.builder import PeerBuilder
 from peer.checkpoint import CheckpointError
@@ -25,7 +25,6 @@ from peer.exit_codes import BadInput, ExitCode
 from peer.faults import FaultPlan
 from peer.logs import setup_logging
 from peer.manifest import ManifestUnreadable
-from peer.outputs import check_output_paths
 from peer.signals import StopRequest, start_shared_memory_manager
 from peer.tasks import load_task
 from peer.trainer import Trainer, TrainingDiverged
@@ -85,13 +84,11 @@ def run_peer(config: PeerConfig, faults: Optional[FaultPlan] = None) -> int:
 
 def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerRun) -> tuple:
     try:
-        # what this machine must allow, before anything is built or joined
-        check_output_paths(config.checkpoint.checkpoint_dir, config.logging.summary_json, config.logging.events)
-        check_listen_addresses(config.dht.host_maddrs)
+        # the paths and addresses were checked before torch was imported (peer/preflight.py)
         task = load_task(config.training.task, config.training.task_timeout_seconds)
         device = resolve_device(config.training.device)
         precision = resolve_precision(config.training.precision, device)
-    except (RuntimeError, ValueError) as e:  # TaskLoadError and the checks above are ValueErrors
+    except (RuntimeError, ValueError) as e:  # TaskLoadError is a ValueError
         raise BadInput(str(e)) from e
     builder.lock_checkpoint_dir()  # a second peer on this directory leaves before it joins anything
     averaging = config.averaging

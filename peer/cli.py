@@ -16,6 +16,7 @@ from peer.config import OPTIONS_BY_CLI
 from peer.exit_codes import ExitCode
 from peer.monitor import monitor
 from peer.options import SectionedCommand, config_options_for, resolve_config
+from peer.preflight import check_before_start
 from peer.status import status
 
 
@@ -33,7 +34,11 @@ def start(ctx: click.Context, inject_faults: Optional[str], **params: Any) -> No
     """Start a peer: join (or start) a swarm and train until stopped."""
     config = resolve_config(ctx, params)
     faults = _fault_plan(inject_faults) if inject_faults is not None else None
-    from peer.app import run_peer  # heavy imports (torch, hivemind) only after the config is valid
+    try:
+        check_before_start(config)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    from peer.app import run_peer  # heavy imports (torch, hivemind) only once the config and the machine pass
 
     ctx.exit(run_peer(config, faults))
 

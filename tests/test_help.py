@@ -60,3 +60,17 @@ def test_help_and_the_local_swarm_launcher_run_without_torch():
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--metrics-host", "8.8.8.8"], "--metrics-host 8.8.8.8 is not an address of this machine"),
+    (["--task", "bytelmm"], "did you mean 'bytelm'"),
+])
+def test_a_typo_in_a_path_an_address_or_the_task_name_is_refused_before_torch_is_imported(tmp_path, flags, expected):
+    check = ("import sys; from peer.cli import main\n"
+             "try:\n    main(sys.argv[1:])\n"
+             "finally:\n    print(sorted(name for name in ('torch', 'hivemind') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", check, "start", "--checkpoint-dir", str(tmp_path / "ckpt"), *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "error: " in result.stderr and expected in result.stderr, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout

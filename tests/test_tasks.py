@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import re
 import sys
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from peer.tasks import Task, TaskLoadError, load_task
+from peer.task_names import BUILTIN_TASK_NAMES, check_task_name
+from peer.tasks import BUILTIN_TASKS, Task, TaskLoadError, load_task
 from peer.tasks.bytelm import SIZES, build_corpus, make_bytelm_task
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -268,3 +270,24 @@ def test_a_task_module_in_the_current_directory_is_found_as_the_readme_says(monk
         monkeypatch.delitem(sys.modules, name)
     task = load_task("examples.custom_task:make_task")
     assert isinstance(task, Task)
+
+
+def test_every_builtin_name_the_preflight_accepts_is_a_task_the_registry_builds():
+    assert tuple(BUILTIN_TASKS) == BUILTIN_TASK_NAMES
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("bytelmm", "did you mean 'bytelm'"),
+    ("examples/custom_task.py", "give --task examples.custom_task:make_task"),
+    ("no_such_module_anywhere.sub:make_task", "cannot import module 'no_such_module_anywhere.sub' "
+                                              "(ModuleNotFoundError: No module named 'no_such_module_anywhere')"),
+    (":make_task", "cannot import module ''"),
+])
+def test_a_task_name_of_the_wrong_form_is_refused_before_anything_is_imported(name, expected, tmp_path, monkeypatch):
+    with pytest.raises(TaskLoadError, match=re.escape(expected)):
+        check_task_name(name)
+    (tmp_path / "swarmtrain_loud_task.py").write_text("raise RuntimeError('imported')\n")
+    monkeypatch.chdir(tmp_path)  # found from the working directory, as peer start finds it
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    check_task_name("swarmtrain_loud_task:make_task")  # found, not imported: that is load_task's, under its timeout
+    assert "swarmtrain_loud_task" not in sys.modules

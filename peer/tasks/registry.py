@@ -1,20 +1,19 @@
 """Resolve a task name: a built-in name, or `module:function` returning a Task."""
 from __future__ import annotations
 
-import difflib
 import importlib
-import os
-import sys
 import threading
 from typing import Callable, Dict, Optional, TypeVar
 
+from peer.task_names import (
+    TaskLoadError,
+    cannot_import,
+    check_task_name,
+    make_local_modules_importable,
+)
 from peer.tasks.base import Task
 
 T = TypeVar("T")
-
-
-class TaskLoadError(ValueError):
-    """The task named by --task cannot be built; the message says why and how to fix it."""
 
 
 def _bytelm(size: str) -> Callable[[], Task]:
@@ -30,7 +29,6 @@ BUILTIN_TASKS: Dict[str, Callable[[], Task]] = {
     "bytelm": _bytelm("small"),
     "bytelm-tiny": _bytelm("tiny"),
 }
-DEFAULT_TASK = "bytelm"
 
 
 def load_task(name: str, timeout_seconds: Optional[float] = None) -> Task:
@@ -68,49 +66,19 @@ def run_within(seconds: float, work: Callable[[], T], timed_out: Exception) -> T
     return outcome[0]
 
 
-def _as_module(name: str) -> Optional[str]:
-    """For a --task given as a file path (examples/custom_task.py[:make_task]): what to give instead."""
-    path, _, function_name = name.partition(":")
-    if not (path.endswith(".py") or "/" in path or os.sep in path):
-        return None
-    function_name = function_name or "make_task"
-    relative = os.path.relpath(os.path.abspath(path), os.getcwd())
-    if relative.startswith(".."):  # outside this directory: import it from its own
-        stem = os.path.splitext(os.path.basename(path))[0]
-        return f"{stem}:{function_name} from {os.path.dirname(os.path.abspath(path))}"
-    module = os.path.splitext(relative)[0] if relative.endswith(".py") else relative
-    return f"{module.replace(os.sep, '.')}:{function_name}"
-
-
 def _load_task(name: str) -> Task:
+    check_task_name(name)
     if name in BUILTIN_TASKS:
         return BUILTIN_TASKS[name]()
-    module_form = _as_module(name)
-    if module_form is not None:
-        raise TaskLoadError(f"--task {name}: a task is named as module:function, not as a file path; "
-                            f"give --task {module_form}")
-    if ":" not in name:
-        close = difflib.get_close_matches(name, BUILTIN_TASKS, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise TaskLoadError(
-            f"--task: unknown task {name!r}; {hint}use a built-in ({', '.join(BUILTIN_TASKS)}) "
-            f"or 'module:function' returning a peer.tasks.Task"
-        )
     module_name, _, function_name = name.partition(":")
-    # as `python -m` does, so that `peer start --task mymodule:make` finds ./mymodule.py; appended, so that a
-    # local file never shadows an installed package
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    make_local_modules_importable()
     try:
         module = importlib.import_module(module_name)
     except SystemExit as e:
         raise TaskLoadError(f"--task: importing {module_name!r} called sys.exit({e.code!r}); "
                             f"a task module must not exit when imported") from e
     except Exception as e:  # a user's module can raise anything on import
-        raise TaskLoadError(
-            f"--task: cannot import module {module_name!r} ({type(e).__name__}: {e}); "
-            f"check that it is importable (on PYTHONPATH) and imports cleanly"
-        ) from e
+        raise cannot_import(module_name, e) from e
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise TaskLoadError(f"--task: module {module_name!r} has no callable {function_name!r}")
