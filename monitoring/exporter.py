@@ -45,9 +45,14 @@ def check_can_listen(host: str, port: int) -> None:
 
     :raises MetricsBindError: why not, in one line (its strerror), with the fix
     """
+    _bind(host, port).server_close()
+
+
+def _bind(host: str, port: int) -> ThreadingHTTPServer:
+    """A server bound to host:port and listening; raises MetricsBindError with why not."""
     server_class = _Server6 if ":" in host else _Server
     try:
-        server_class((host, port), _Handler).server_close()
+        return server_class((host, port), _Handler)
     except OSError as e:
         raise MetricsBindError(e.errno, _why_not(host, port, e)) from e
 
@@ -95,11 +100,7 @@ class MetricsExporter:
         """Bind and start serving; returns the bound port. Raises MetricsBindError if it cannot listen there."""
         if self._server is not None:
             raise RuntimeError("metrics exporter is already started")
-        try:
-            server_class = _Server6 if ":" in self.host else _Server
-            server = server_class((self.host, self.port), _Handler)
-        except OSError as e:
-            raise MetricsBindError(e.errno, _why_not(self.host, self.port, e)) from e
+        server = _bind(self.host, self.port)
         server.exporter = self
         self._server = server
         self._thread = threading.Thread(

@@ -84,7 +84,7 @@ def run_peer(config: PeerConfig, faults: Optional[FaultPlan] = None) -> int:
 
 def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerRun) -> tuple:
     try:
-        # the paths and addresses were checked before torch was imported (peer/preflight.py)
+        # the paths, addresses and --task name were checked before torch was imported (peer/preflight.py)
         task = load_task(config.training.task, config.training.task_timeout_seconds)
         device = resolve_device(config.training.device)
         precision = resolve_precision(config.training.precision, device)

@@ -33,10 +33,11 @@ def check_task_name(name: str) -> None:
             f"--task: unknown task {name!r}; {hint}use a built-in ({', '.join(BUILTIN_TASK_NAMES)}) "
             f"or 'module:function' returning a peer.tasks.Task"
         )
-    top_level = name.partition(":")[0].partition(".")[0]
+    module_name = name.partition(":")[0]
+    top_level = module_name.partition(".")[0]
     make_local_modules_importable()
     if not top_level or importlib.util.find_spec(top_level) is None:  # finding a top-level module runs nothing
-        raise cannot_import(name.partition(":")[0], ModuleNotFoundError(f"No module named {top_level!r}"))
+        raise cannot_import(module_name, ModuleNotFoundError(f"No module named {top_level!r}"))
 
 
 def cannot_import(module_name: str, error: BaseException) -> TaskLoadError:
