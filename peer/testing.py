@@ -421,7 +421,7 @@ class Swarm:
         for the worst load (--max-epochs) ends once its checks are done."""
         return ["--inject-faults", FaultPlan(end_at_epoch_file=str(self._end_file)).model_dump_json()]
 
-    def end_soon(self, peers: Sequence[Peer], margin_epochs: int = 4) -> int:
+    def end_soon(self, peers: Sequence[Peer], margin_epochs: int = 2) -> int:
         """End the run of `peers` (started with ends_on_request()) `margin_epochs` after the furthest of them:
         each reads it on its next step, long before it gets there, so all leave at that epoch, as with
         --max-epochs. Returns that epoch."""

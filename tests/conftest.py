@@ -2,15 +2,28 @@
 which kills them at teardown, on every path."""
 from __future__ import annotations
 
-from typing import List
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable, Dict, List
 
 import pytest
+
+DURATIONS = Path(__file__).with_name("durations.json")
+# a test that durations.json does not list (one added since, or under a second): a multi-peer test takes tens of
+# seconds, any other well under one
+UNLISTED_SECONDS = {True: 20.0, False: 0.1}
+LISTED_FROM_SECONDS = 1.0
 
 
 def pytest_addoption(parser) -> None:
     parser.addoption("--soak-seconds", type=float, default=30.0,
                      help="How long the churn soak kills and restarts peers (default: 30, as in CI: with its "
                           "seed, a SIGKILL, a restart, a SIGTERM and a restart).")
+    parser.addoption("--record-durations", metavar="PATH", default=None,
+                     help=f"After the run, write the seconds of each test that took {LISTED_FROM_SECONDS:.0f} s or "
+                          "more (setup, call and teardown) to PATH as JSON: how tests/durations.json is made.")
 
 
 @pytest.fixture
@@ -19,14 +32,79 @@ def soak_seconds(request) -> float:
 
 
 def pytest_collection_modifyitems(config, items: List[pytest.Item]) -> None:
-    """Longest first: the soak, then the multi-peer swarms, then the rest.
+    """Longest first, in one slice per pytest-xdist worker, the slices about equally long.
 
-    The suite runs on two workers that steal work from each other (pyproject.toml), so a long
-    test started last would finish alone; started first, the short ones fill in around it.
+    The worksteal scheduler (pyproject.toml) first hands each worker a contiguous slice of this list, equal in
+    count; a worker that runs dry then takes the tail of the longest queue. So each slice gets about the same
+    expected seconds, its longest tests first, and ends with short ones: a long test started last would finish
+    alone while the other workers idle (with the files in their order, one worker ran out 50 s before another).
+    Expected seconds come from tests/durations.json, a measured run of the suite.
     """
-    def expected_length(item: pytest.Item) -> int:
-        if "soak_seconds" in getattr(item, "fixturenames", ()):
-            return 0
-        return 1 if item.get_closest_marker("integration") else 2
+    expected = _expected_seconds(config)
+    units: Dict[str, List[pytest.Item]] = {}
+    for item in items:
+        units.setdefault(_unit(item), []).append(item)
+    ranked = sorted(units.values(), key=lambda unit: sum(map(expected, unit)), reverse=True)  # stable
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    items[:] = [item for part in _deal(ranked, workers, expected) for unit in part for item in unit]
 
-    items.sort(key=expected_length)  # stable: files keep their order within each class
+
+def _unit(item: pytest.Item) -> str:
+    """What must run on one worker: the tests marked same_worker with one name (they share a costly module
+    fixture, which each worker would otherwise set up again), else each test alone."""
+    mark = item.get_closest_marker("same_worker")
+    return f"same_worker:{mark.args[0]}" if mark else item.nodeid
+
+
+def _deal(units: List[List[pytest.Item]], parts: int, seconds: Callable[[pytest.Item], float]
+          ) -> List[List[List[pytest.Item]]]:
+    """Split `units`, longest first, into `parts` slices of about the sizes that xdist cuts (its first worker
+    gets len // parts tests, and so on), each next unit going to the slice with room and the fewest seconds."""
+    sizes, left = [], sum(map(len, units))
+    for remaining in range(parts, 0, -1):
+        sizes.append(left // remaining)
+        left -= sizes[-1]
+    slices: List[List[List[pytest.Item]]] = [[] for _ in range(parts)]
+    counts, totals = [0] * parts, [0.0] * parts
+    for unit in units:
+        roomy = [i for i in range(parts) if counts[i] + len(unit) <= sizes[i]] or range(parts)
+        index = min(roomy, key=lambda i: totals[i])
+        slices[index].append(unit)
+        counts[index] += len(unit)
+        totals[index] += sum(map(seconds, unit))
+    return slices
+
+
+def _expected_seconds(config) -> Callable[[pytest.Item], float]:
+    recorded: Dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    soak = config.getoption("--soak-seconds")
+
+    def seconds(item: pytest.Item) -> float:
+        listed = recorded.get(item.nodeid)
+        if listed is None:
+            listed = UNLISTED_SECONDS[item.get_closest_marker("integration") is not None]
+        if "soak_seconds" in getattr(item, "fixturenames", ()):
+            return max(listed, soak)  # `--soak-seconds 3600` is the longest by far
+        return listed
+
+    return seconds
+
+
+def pytest_configure(config) -> None:
+    path = config.getoption("--record-durations")
+    if path and not hasattr(config, "workerinput"):  # the controller sees every worker's reports
+        config.pluginmanager.register(DurationRecorder(Path(path)), "record-durations")
+
+
+class DurationRecorder:
+    def __init__(self, path: Path):
+        self.path = path
+        self.seconds: Dict[str, float] = defaultdict(float)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        self.seconds[report.nodeid] += report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        listed = {nodeid: round(seconds, 1) for nodeid, seconds in sorted(self.seconds.items())
+                  if seconds >= LISTED_FROM_SECONDS}
+        self.path.write_text(json.dumps(listed, indent=1) + "\n")

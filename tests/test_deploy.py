@@ -421,6 +421,10 @@ class LiveSwarm:
         return "\n".join(process.log_tail(1500) for process in [*self.peers, self.monitor])
 
 
+# the tests that share live_swarm: one pytest-xdist worker runs them all, so its swarm starts once
+ON_ONE_WORKER = pytest.mark.same_worker("live_swarm")
+
+
 @pytest.fixture(scope="module")
 def live_swarm(prometheus_binary: str, tmp_path_factory) -> Iterator[LiveSwarm]:
     """Two `peer start` processes, `peer monitor`, and Prometheus scraping them.
@@ -475,6 +479,7 @@ def wait_for_data(swarm: LiveSwarm, queries: List[Tuple[str, str, str]], timeout
     return empty
 
 
+@ON_ONE_WORKER
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_every_peer_panel_query_returns_data(live_swarm: LiveSwarm):
@@ -494,6 +499,7 @@ def test_every_peer_panel_query_returns_data(live_swarm: LiveSwarm):
         assert {s["instance"] for s in series} == set(live_swarm.instances), selector
 
 
+@ON_ONE_WORKER
 @pytest.mark.integration
 def test_image_healthcheck_passes_against_a_live_peer(live_swarm: LiveSwarm):
     result = image_healthcheck(int(live_swarm.instances[0].rsplit(":", 1)[1]))
@@ -501,6 +507,7 @@ def test_image_healthcheck_passes_against_a_live_peer(live_swarm: LiveSwarm):
     assert image_healthcheck(free_ports(1)[0]).returncode != 0, "the health check must fail when nothing answers"
 
 
+@ON_ONE_WORKER
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_every_monitor_panel_query_returns_data(live_swarm: LiveSwarm):
