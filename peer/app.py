@@ -94,6 +94,7 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
     averaging = config.averaging
     codec = averaging.state_compression if averaging.strategy == "local-sgd" else averaging.grad_compression
     monitoring = builder.monitoring(device, averaging.strategy, codec)
+    builder.faults.hold_before_joining()  # tests only: a peer started ahead of its turn
     with monitoring.timer.phase("joining"):  # communication, and the advice says it passes once joined
         dht = builder.dht()
         run.trainer = trainer = builder.training(task, device, precision, dht, monitoring, builder.display())

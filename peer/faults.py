@@ -13,11 +13,14 @@ points, so a test says what goes wrong and when, instead of patching private met
 - `stall_after_epoch` / `stall_seconds`: after reporting that global epoch, the loop stalls between two
   steps (a stop request ends the stall): past the averaging timeout, the peer misses the next round.
 
-Each of those happens once. One more is not a fault but a test's control over the run's end:
+Each of those happens once. Two more are not faults but a test's control over the run:
 
 - `end_at_epoch_file`: once this file exists, the epoch it holds ends the run as --max-epochs would
   (the lower of the two wins). A test that has made its checks ends a swarm sized for the worst load
   with Swarm.end_soon(), and every peer still leaves at the same epoch, with the same weights.
+- `join_when_file_exists`: the peer imports, builds its task and serves its metrics, then waits until
+  this file exists before it starts its DHT and joins (a stop request ends the wait). A test that lets
+  peers in one at a time starts the next one early, and its turn costs only the joining.
 
 Two more make this peer a hostile one, for all of its run:
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import TYPE_CHECKING, Callable, List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
@@ -53,6 +57,7 @@ class FaultPlan(BaseModel):
     gradient_factor: Optional[float] = None
     send_nan_gradients: bool = False
     end_at_epoch_file: Optional[str] = None
+    join_when_file_exists: Optional[str] = None
 
 
 HOSTILE_PEERS = {
@@ -125,6 +130,15 @@ class FaultInjector:
         except (OSError, ValueError):  # not written yet (Swarm.end_soon writes it whole, with a rename)
             return configured
         return requested if configured is None else min(configured, requested)
+
+    def hold_before_joining(self) -> None:
+        """Wait until the plan's join_when_file_exists exists, or a stop request comes."""
+        path = self.plan.join_when_file_exists
+        if path is None:
+            return
+        logger.warning(f"injected: waiting for {path} to exist before joining the swarm")
+        while not os.path.exists(path) and not self.wait(0.1):
+            pass
 
     def guards_gradients(self) -> bool:
         """Whether the optimizer may drop this peer's non-finite gradients before they reach a round."""

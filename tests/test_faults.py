@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -94,3 +95,22 @@ def test_a_test_ends_the_run_at_the_epoch_its_file_holds_once_it_is_written(tmp_
     assert faults.max_epochs(30) == 12 and faults.max_epochs(None) == 12
     assert faults.max_epochs(8) == 8  # --max-epochs still bounds the run
     assert FaultInjector().max_epochs(30) == 30  # without a plan, --max-epochs alone
+
+
+def test_a_held_peer_joins_once_its_file_exists_or_a_stop_comes(tmp_path):
+    turn = tmp_path / "turn"
+    waits = []
+
+    def wait(seconds: float) -> bool:  # a stop-aware sleep: the test writes the file on the third wait
+        waits.append(seconds)
+        if len(waits) == 3:
+            turn.touch()
+        return False
+
+    FaultInjector(FaultPlan(join_when_file_exists=str(turn)), wait=wait).hold_before_joining()
+    assert len(waits) == 3 and turn.exists()
+
+    stopped = threading.Event()
+    stopped.set()  # a stop request ends the wait, with the file still missing
+    FaultInjector(FaultPlan(join_when_file_exists=str(tmp_path / "never")), wait=stopped.wait).hold_before_joining()
+    FaultInjector(wait=lambda seconds: pytest.fail("waited without a plan")).hold_before_joining()

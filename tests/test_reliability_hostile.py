@@ -7,13 +7,14 @@ import asyncio
 import json
 import re
 from pathlib import Path
+from typing import Dict, NamedTuple, Optional
 
 import pytest
 import torch
 
 from peer.events import PeerExcluded
-from peer.faults import HOSTILE_PEERS
-from peer.testing import Swarm, max_parameter_difference, until
+from peer.faults import HOSTILE_PEERS, FaultPlan
+from peer.testing import Peer, Swarm, max_parameter_difference, until
 
 # A sign flip is told from an honest gradient only while honest gradients agree in direction: early in
 # training. Late, with single-batch noise, its cosine to the others' median nears 0 (as an honest one's does),
@@ -28,6 +29,26 @@ CLOCK_AHEAD = re.compile(r"this peer's clock is at least (\d+)s ahead of the clo
 EPOCHS = 130
 
 
+class Waiting(NamedTuple):
+    """A peer started ahead of its turn: imported and built, it joins once `turn` exists (a test-only fault plan)."""
+
+    peer: Peer
+    turn: Path
+
+    async def let_in(self) -> Peer:
+        self.turn.touch()
+        await self.peer.ready()
+        return self.peer
+
+
+async def start_waiting(swarm: Swarm, name: str, *args: str, plan: Optional[FaultPlan] = None,
+                        env: Optional[Dict[str, str]] = None) -> Waiting:
+    turn = swarm.workdir / f"turn-{name}"
+    plan = (plan or FaultPlan()).model_copy(update={"join_when_file_exists": str(turn)})
+    peer = await swarm.add(*args, "--inject-faults", plan.model_dump_json(), name=name, ready=False, env=env)
+    return Waiting(peer, turn)
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(420)
 async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on(tmp_path: Path):
@@ -40,10 +61,16 @@ async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on
         honest = [first] + [await swarm.add(*run, name=name, ready=False) for name in HONEST[1:]]
         await asyncio.gather(*(peer.ready() for peer in honest[1:]))
 
+        # the attackers and the clock-ahead peer start now and wait, imported and built, until their turn
+        waiting = {attack: await start_waiting(swarm, attack, "--min-peers", "4", plan=HOSTILE_PEERS[attack])
+                   for attack in ATTACKS}
+        jump = tmp_path / "clock-jump"
+        ahead_waiting = await start_waiting(
+            swarm, "clock-ahead", "--task", "tests.tasks_for_tests:make_clock_ahead_task",
+            env={"CLOCK_AHEAD_SECONDS": "3600", "CLOCK_JUMP_FILE": str(jump)})
         attackers, excluded = {}, []
         for attack in ATTACKS:
-            attacker = await swarm.add("--min-peers", "4", "--inject-faults", HOSTILE_PEERS[attack].model_dump_json(),
-                                       name=attack)
+            attacker = await waiting[attack].let_in()
             attacker_id = attackers[attack] = attacker.peer_id
 
             def of_attacker(event: PeerExcluded, peer_id: str = attacker_id) -> bool:
@@ -57,9 +84,7 @@ async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on
         # The honest swarm trains on to --max-epochs, and leaves together. Meanwhile a peer whose clock jumps an
         # hour ahead once it has joined sees none of the swarm's records (they look expired), and the swarm
         # believes none of its own: it trains alone, so it must say why.
-        jump = tmp_path / "clock-jump"
-        ahead = await swarm.add("--task", "tests.tasks_for_tests:make_clock_ahead_task", name="clock-ahead",
-                                env={"CLOCK_AHEAD_SECONDS": "3600", "CLOCK_JUMP_FILE": str(jump)})
+        ahead = await ahead_waiting.let_in()
         jump.touch()
         for attacker in excluded:
             assert await attacker.exit_code(timeout=60) in (0, 1), attacker.log_tail()  # 1: NaN diverges alone
