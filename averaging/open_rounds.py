@@ -41,8 +41,7 @@ class RoundAbandoner(threading.Thread):
 
     def run(self) -> None:
         while not self._finished.wait(self.poll_seconds):
-            if self._looking() and self.leaving():  # leaving() may read the DHT: only when it matters
-                self.poll()
+            self.poll()
 
     @staticmethod
     def _looking() -> list:
@@ -55,12 +54,16 @@ class RoundAbandoner(threading.Thread):
             self.join(timeout_seconds)
 
     def poll(self) -> int:
-        """One pass: cancel the rounds that have looked long enough; return how many."""
-        now, grace, cancelled = self.clock(), self.grace_seconds(), 0
-        for control in self._looking():
-            since = self._looking_since.setdefault(control, now)
-            if now - since >= grace and control.cancel():
-                cancelled += 1
+        """One pass: cancel the rounds that have looked long enough while leaving() is true; return how many.
+
+        leaving() may read the DHT, so it is asked only once a round has looked longer than the grace: a round
+        normally finds its group within its matchmaking window, and then nothing is read at all."""
+        now, grace = self.clock(), self.grace_seconds()
+        overdue = [control for control in self._looking()
+                   if now - self._looking_since.setdefault(control, now) >= grace]
+        if not overdue or not self.leaving():
+            return 0
+        cancelled = sum(1 for control in overdue if control.cancel())
         if cancelled:
             logger.info(f"abandoned {cancelled} averaging round(s) that found no group within {grace:.0f}s "
                         f"(this peer is leaving, or every other peer is)")

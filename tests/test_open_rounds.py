@@ -72,6 +72,19 @@ def test_whether_to_drop_rounds_is_asked_only_while_one_looks_for_a_group(monkey
         abandoner.finish()
 
 
+def test_whether_to_drop_rounds_is_asked_only_once_a_round_has_looked_longer_than_the_grace(monkeypatch):
+    """A round normally finds its group within its matchmaking window: until it has not, the DHT is not read."""
+    looking = FakeRound(AveragingStage.LOOKING_FOR_GROUP)
+    monkeypatch.setattr(hivemind_compat, "open_rounds", weakref.WeakSet([looking]))
+    clock, asked = FakeClock(), []
+    abandoner = RoundAbandoner(leaving=lambda: asked.append(True) or True, grace_seconds=lambda: 2.0, clock=clock)
+    assert abandoner.poll() == 0  # first seen now
+    clock.now += 1.9
+    assert abandoner.poll() == 0 and not asked
+    clock.now += 0.1
+    assert abandoner.poll() == 1 and asked == [True] and looking.cancelled
+
+
 @pytest.mark.timeout(120)
 def test_a_leaving_peer_cancels_its_real_round_that_nobody_joins():
     hivemind_compat.install()
