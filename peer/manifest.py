@@ -29,6 +29,7 @@ from dht.manifest import MANIFEST_TTL_SECONDS, PROTOCOL_VERSION, agreed_manifest
 from dht.records import RunManifest, read_peer_infos, store_own
 from peer.config import OPTIONS_BY_CLI, PeerConfig
 from peer.exit_codes import BadInput
+from peer.task_names import BUILTIN_TASK_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,9 @@ def differences(ours: RunManifest, swarm: RunManifest) -> List[str]:
             which = "this peer" if theirs is None else "the swarm"
             lines.append(f"{OPTIONS_BY_CLI[name].flag} is set only by {which} ({mine if mine is not None else theirs!r}"
                          f"); start with the swarm's settings")
+        elif name == "task" and theirs not in BUILTIN_TASK_NAMES:  # a module:function task's own name
+            lines.append(f"--task is {mine!r} here but {theirs!r} in the swarm; start with the --task "
+                         f"module:function that builds the task named {theirs!r}")
         else:
             flag = OPTIONS_BY_CLI[name].flag
             lines.append(f"{flag} is {mine!r} here but {theirs!r} in the swarm; start with {flag} {theirs}")

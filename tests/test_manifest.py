@@ -57,7 +57,12 @@ def test_another_strategy_or_task_is_named_without_the_settings_that_follow_from
     lines = differences(manifest(averaging="diloco"), manifest())
     assert lines[0].startswith("--averaging is 'diloco' here but 'sync'") and len(lines) == 2
     lines = differences(manifest(width=16, task="bytelm"), manifest())
-    assert lines[0].startswith("--task is 'bytelm' here but 'bytelm-tiny'") and len(lines) == 2
+    assert lines[0] == "--task is 'bytelm' here but 'bytelm-tiny' in the swarm; start with --task bytelm-tiny"
+    assert len(lines) == 2
+    # a module:function task is known by its own name, which --task does not take
+    lines = differences(manifest(task="bytelm"), manifest(task="slow-data"))
+    assert lines[0] == ("--task is 'bytelm' here but 'slow-data' in the swarm; start with the --task "
+                        "module:function that builds the task named 'slow-data'")
     lines = differences(manifest(width=16), manifest())
     assert lines[0].startswith("the model's parameters differ from the swarm's") and len(lines) == 2
 

@@ -21,8 +21,11 @@ from peer.testing import Peer, Swarm
 pytestmark = pytest.mark.integration
 
 TARGET = "192"
+# the first peer trains alone for most of the test: on the built-in task it would take a whole core, while this
+# one's data loader sleeps (20 ms a sample)
+TASK = "tests.tasks_for_tests:make_slow_data_task"
 MISMATCHED = {  # name: (flags, the first error line it must print)
-    "task": (["--task", "bytelm", "--target-batch-size", TARGET], "--task is 'bytelm' here but 'bytelm-tiny'"),
+    "task": (["--task", "bytelm", "--target-batch-size", TARGET], "--task is 'bytelm' here but 'slow-data'"),
     "target": (["--target-batch-size", "512"], f"--target-batch-size is 512 here but {TARGET} in the swarm"),
     "strategy": (["--averaging", "local-sgd", "--target-batch-size", TARGET], "--averaging is 'local-sgd' here"),
 }
@@ -47,7 +50,7 @@ def peers_per_epoch(peer: Peer) -> List[int]:
 
 @pytest.mark.timeout(300)
 async def test_incompatible_peers_are_refused_and_forged_progress_freezes_nobody(tmp_path: Path):
-    async with Swarm(tmp_path, "--task", "bytelm-tiny", fast=True) as swarm:
+    async with Swarm(tmp_path, "--task", TASK, fast=True) as swarm:
         first = await swarm.add("--target-batch-size", TARGET, "--max-seconds", "240", name="a")
 
         # 1. the run manifest: each mismatched peer exits 2 naming the setting, before it can join a round
