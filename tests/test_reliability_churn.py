@@ -67,8 +67,8 @@ async def test_churn_soak(tmp_path: Path, soak_seconds: float):
     rng = random.Random(0)
     async with Swarm(tmp_path, *COMMON, fast=True) as swarm:
         alive = {"s0": await swarm.add("--min-peers", "2", name="s0")}
-        for name in ("s1", "s2"):  # both join s0 at once
-            alive[name] = await swarm.add(name=name, ready=False)
+        for name in ("s1", "s2"):
+            alive[name] = await swarm.add(name=name)
         await swarm.all_reached(2, timeout=120)
         rss_start = {name: psutil.Process(peer.pid).memory_info().rss for name, peer in alive.items()}
         dead = {}
