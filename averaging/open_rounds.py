@@ -44,9 +44,11 @@ class RoundAbandoner(threading.Thread):
             self.poll()
 
     @staticmethod
-    def _looking() -> list:
-        return [control for control in list(hivemind_compat.open_rounds)
-                if not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP]
+    def _is_looking(control: StepControl) -> bool:
+        return not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP
+
+    def _looking(self) -> list:
+        return [control for control in list(hivemind_compat.open_rounds) if self._is_looking(control)]
 
     def finish(self, timeout_seconds: float = 1.0) -> None:
         self._finished.set()
@@ -63,7 +65,8 @@ class RoundAbandoner(threading.Thread):
                    if now - self._looking_since.setdefault(control, now) >= grace]
         if not overdue or not self.leaving():
             return 0
-        cancelled = sum(1 for control in overdue if control.cancel())
+        # leaving() may have taken a while: a round that found its group meanwhile runs on
+        cancelled = sum(1 for control in overdue if self._is_looking(control) and control.cancel())
         if cancelled:
             logger.info(f"abandoned {cancelled} averaging round(s) that found no group within {grace:.0f}s "
                         f"(this peer is leaving, or every other peer is)")

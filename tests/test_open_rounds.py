@@ -85,6 +85,18 @@ def test_whether_to_drop_rounds_is_asked_only_once_a_round_has_looked_longer_tha
     assert abandoner.poll() == 1 and asked == [True] and looking.cancelled
 
 
+def test_a_round_that_finds_its_group_while_leaving_is_asked_runs_on(monkeypatch):
+    looking = FakeRound(AveragingStage.LOOKING_FOR_GROUP)
+    monkeypatch.setattr(hivemind_compat, "open_rounds", weakref.WeakSet([looking]))
+
+    def leaving() -> bool:  # a DHT read takes a while: meanwhile the round found its group
+        looking.stage = AveragingStage.RUNNING_ALLREDUCE
+        return True
+
+    assert RoundAbandoner(leaving=leaving, grace_seconds=lambda: 0.0, clock=FakeClock()).poll() == 0
+    assert not looking.cancelled
+
+
 @pytest.mark.timeout(120)
 def test_a_leaving_peer_cancels_its_real_round_that_nobody_joins():
     hivemind_compat.install()
