@@ -13,7 +13,8 @@ import pytest
 DURATIONS = Path(__file__).with_name("durations.json")
 # a test that durations.json does not list (one added since, or under a second): a multi-peer test takes tens of
 # seconds, any other well under one
-UNLISTED_SECONDS = {True: 20.0, False: 0.1}
+UNLISTED_INTEGRATION_SECONDS = 20.0
+UNLISTED_OTHER_SECONDS = 0.1
 LISTED_FROM_SECONDS = 1.0
 
 
@@ -82,7 +83,8 @@ def _expected_seconds(config) -> Callable[[pytest.Item], float]:
     def seconds(item: pytest.Item) -> float:
         listed = recorded.get(item.nodeid)
         if listed is None:
-            listed = UNLISTED_SECONDS[item.get_closest_marker("integration") is not None]
+            integration = item.get_closest_marker("integration") is not None
+            listed = UNLISTED_INTEGRATION_SECONDS if integration else UNLISTED_OTHER_SECONDS
         if "soak_seconds" in getattr(item, "fixturenames", ()):
             return max(listed, soak)  # `--soak-seconds 3600` is the longest by far
         return listed

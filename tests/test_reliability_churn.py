@@ -38,17 +38,20 @@ async def test_peer_killed_mid_round_survivors_go_on_and_it_catches_up_after_res
         swarm.args += swarm.ends_on_request()
         *survivors, victim = await swarm.start(4, "--min-peers", "4")
         await victim.reach(4, timeout=150)
+
         # the tiny model's epochs are mostly matchmaking and all-reduce: a kill now lands mid-round
         victim.send(signal.SIGKILL)  # the peer alone: its children notice and exit by themselves
         await victim.exit_code(timeout=10)
         await no_process_left(victim, 20)
         killed_at = max(peer.epoch for peer in survivors)
         await swarm.all_reached(killed_at + 3, timeout=90, peers=survivors)
+
         await victim.restart("--min-peers", "1")
         back = await victim.wait_for(Joined, timeout=90, what="the restarted peer to join again")
         await swarm.all_reached(back.epoch + 1, timeout=90)  # an epoch of all four after the restart
         epochs = min(40, swarm.end_soon(swarm.peers))
         assert await swarm.all_exited(timeout=200) == [0, 0, 0, 0]
+
         summaries = [json.loads((tmp_path / f"{peer.name}.json").read_text()) for peer in swarm.peers]
         for summary in summaries[:3]:  # the survivors went on (awaited above) and ended at the last epoch
             assert summary["global_epoch"] == epochs

@@ -22,10 +22,9 @@ from peer.testing import Peer, Swarm, max_parameter_difference, until
 ATTACKS = ("sign-flipped", "nan", "scaled-1e4")  # peer/faults.py's HOSTILE_PEERS
 HONEST = ("a", "b", "c")
 CLOCK_AHEAD = re.compile(r"this peer's clock is at least (\d+)s ahead of the clocks of 3 other peer")
-# the three attacks end by epoch 60 to 85 under suite load (they began at epoch 25 to 30 then, behind the
-# clock-ahead peer that now comes after them); the clock-ahead peer then takes 10 to 20 epochs. With three
-# workers, the second attacker was only excluded at epoch 80 and the honest peers reached 100 before the third
-# had joined: 130 leaves room. It is only the bound: the run ends a few epochs after the checks are done.
+# alone, the three attacks are over by epoch 20 and the run ends about epoch 30; under suite load, when each
+# attacker still started from scratch, the second was once excluded only at epoch 80 and the honest peers reached
+# 100 before the third had joined: 130 leaves room. It is only the bound: the run ends 2 epochs after the checks.
 EPOCHS = 130
 
 
