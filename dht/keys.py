@@ -9,7 +9,7 @@ Two namespaces:
 
 hivemind derives some of these names itself from the prefix it is given (the progress key from a
 ProgressTracker's prefix, "<prefix>_grad_averager" inside hivemind.Optimizer); the names here
-spell out what it derives, and tests/test_keys.py checks that they agree.
+spell out what it derives, and tests/unit/test_keys.py checks that they agree.
 """
 from __future__ import annotations
 

@@ -1,5 +1,10 @@
-"""Shared options and the order of the tests. Peer processes run under the harness (peer/testing.py),
-which kills them at teardown, on every path."""
+"""Shared options, the integration marker and the order of the tests.
+
+Tests live in folders by kind: unit/ (no process, no network), inprocess/ (real hivemind DHTs and averagers in
+this process), swarm/ and reliability/ (real `peer start` processes on 127.0.0.1), meta/ (the repository itself:
+layout, docs, help, deploy files). A test's folder gives it the `integration` marker, so that
+`pytest -m "not integration"` runs the fast part. Peer processes run under the harness (peer/testing/), which
+kills them at teardown, on every path."""
 from __future__ import annotations
 
 import json
@@ -16,6 +21,8 @@ DURATIONS = Path(__file__).with_name("durations.json")
 UNLISTED_INTEGRATION_SECONDS = 20.0
 UNLISTED_OTHER_SECONDS = 0.1
 LISTED_FROM_SECONDS = 1.0
+# the folders whose tests start real multi-peer swarms (relative to the repository root)
+INTEGRATION_FOLDERS = ("tests/swarm/", "tests/reliability/", "examples/")
 
 
 def pytest_addoption(parser) -> None:
@@ -41,6 +48,9 @@ def pytest_collection_modifyitems(config, items: List[pytest.Item]) -> None:
     alone while the other workers idle (with the files in their order, one worker ran out 50 s before another).
     Expected seconds come from tests/durations.json, a measured run of the suite.
     """
+    for item in items:
+        if item.nodeid.startswith(INTEGRATION_FOLDERS):
+            item.add_marker(pytest.mark.integration)
     expected = _expected_seconds(config)
     units: Dict[str, List[pytest.Item]] = {}
     for item in items:

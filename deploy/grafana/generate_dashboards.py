@@ -1,7 +1,7 @@
 """Writes the Grafana dashboards under deploy/grafana/dashboards/ as JSON: dashboards as code.
 
 Edit this file, run `python deploy/grafana/generate_dashboards.py`, and commit both the
-script and the JSON; tests/test_deploy.py fails when they differ. Plain Python and the
+script and the JSON; tests/meta/test_deploy.py fails when they differ. Plain Python and the
 standard library only, so no new dependency. Queries may name only contract metrics:
 those of monitoring/metrics.py (plus `up`) for job="peer", and the swarm_* metrics of
 monitoring/swarm_metrics.py for job="monitor". The tests check that, and run every query

@@ -18,7 +18,6 @@ from dht.keys import SwarmKeys
 from peer.events import EpochEnded
 from peer.testing import Peer, Swarm
 
-pytestmark = pytest.mark.integration
 
 TARGET = "192"
 # the first peer trains alone for most of the test: on the built-in task it would take a whole core, while this

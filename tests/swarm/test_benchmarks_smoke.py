@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration  # real peers, namespaces and averaging rounds
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ENVELOPE = {"benchmark", "mode", "command", "hardware", "started_at", "finished_at", "wall_seconds", "results",
             "notes", "summary"}
 HARDWARE = {"cpu_model", "cpu_cores_online", "ram_gib", "torch", "hivemind", "date_utc", "cuda_device"}

@@ -15,7 +15,6 @@ from peer.checkpoint import CheckpointStore
 from peer.events import Joined
 from peer.testing import Peer, Swarm, max_parameter_difference
 
-pytestmark = pytest.mark.integration
 
 AVERAGING_TIMEOUT_SECONDS = 10
 

@@ -1,5 +1,5 @@
 """averaging/claims.py and the download backoff: a forged progress record cannot freeze a swarm
-(tests/test_reliability_untrusted.py shows it with real peers)."""
+(tests/reliability/test_untrusted.py shows it with real peers)."""
 from __future__ import annotations
 
 from types import SimpleNamespace

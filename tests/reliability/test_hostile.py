@@ -48,7 +48,6 @@ async def start_waiting(swarm: Swarm, name: str, *args: str, plan: Optional[Faul
     return Waiting(peer, turn)
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(420)
 async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on(tmp_path: Path):
     # The default --exclude-after 3: with 2, an honest peer a round out of step (13x the others' gradient

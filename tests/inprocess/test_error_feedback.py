@@ -15,9 +15,9 @@ from averaging.error_feedback import ErrorFeedback, FeedbackPartContainer, encod
 from averaging.factory import build_swarm_optimizer
 from dht.keys import SwarmKeys
 from tests.peers import wait_until
-from tests.test_averaging_inprocess import make_diloco, run_in_threads, start_dhts
-from tests.test_lowbit import gradient_like, round_trip
-from tests.test_robust_allreduce import average_all, averagers
+from tests.inprocess.test_averaging import make_diloco, run_in_threads, start_dhts
+from tests.inprocess.test_lowbit import gradient_like, round_trip
+from tests.inprocess.test_robust_allreduce import average_all, averagers
 
 
 def accumulated_error(codec, rounds: int, feedback: bool) -> float:

@@ -19,7 +19,7 @@ from averaging.donor import (
     offer_state,
 )
 from tests.peers import wait_until
-from tests.test_averaging_inprocess import start_dhts
+from tests.inprocess.test_averaging import start_dhts
 
 EPOCH = 7
 

@@ -12,7 +12,7 @@ from monitoring.swarm_metrics import SWARM_METRICS, SwarmCollector
 from peer.testing import Swarm, until
 from tests.browser import headless_chromium, wait_for
 from tests.peers import free_port
-from tests.test_monitoring_peers import get, scrape, value
+from tests.swarm.test_monitoring_peers import get, scrape, value
 
 
 def snapshot(*short_ids: str) -> dict:
@@ -51,7 +51,6 @@ def test_collector_renders_the_latest_snapshot_only():
     assert registry.get_sample_value("swarm_global_epoch") is None
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(180)
 async def test_monitor_follows_peers_joining_and_leaving(tmp_path):
     """Through /metrics, and on the live page in a real headless Chromium."""

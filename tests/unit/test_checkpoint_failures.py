@@ -3,7 +3,7 @@ streak of failures, counts them (peer_checkpoint_failures_total), turns /healthz
 again; only a failing final checkpoint makes `peer start`'s exit code non-zero.
 
 The disk breaks and heals at chosen epochs (a wrapper around the store's save), on the Trainer rig of
-tests/test_trainer_unit.py, with the real metrics, health check and exporter that peer/builder.py wires.
+tests/unit/test_trainer.py, with the real metrics, health check and exporter that peer/builder.py wires.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from peer.builder import MetricsObserver
 from peer.exit_codes import ExitCode
 from peer.outputs import check_output_paths
 from tests.peers import tmpfs
-from tests.test_trainer_unit import BATCH, TARGET, Rig, make_rig
+from tests.unit.test_trainer import BATCH, TARGET, Rig, make_rig
 
 EPOCHS = 5
 COMMAND_TIMEOUT_SECONDS = 30

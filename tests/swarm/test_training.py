@@ -12,7 +12,6 @@ from peer.events import Exited, RoundEnded, StateDownloaded, read_events
 from peer.testing import FAST_ENV, Swarm, load_model_state, max_parameter_difference
 from tests.peers import FAST_SWARM_ARGS
 
-pytestmark = pytest.mark.integration
 
 
 def read_summary(path: Path) -> dict:

@@ -1,6 +1,6 @@
 """The monitor's live swarm page: its data, how the endpoint serves it, and what a real browser shows.
 
-The page against a real 2-peer swarm is tested in tests/test_monitoring_swarm.py; here it draws
+The page against a real 2-peer swarm is tested in tests/swarm/test_monitoring_swarm.py; here it draws
 snapshots made by hand, so that each rule is checked alone.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from monitoring import MetricsExporter
 from monitoring.swarm_page import SwarmPage
 from tests.browser import headless_chromium, wait_for
-from tests.test_monitoring_peers import get
-from tests.test_monitoring_swarm import peer_rows, snapshot
+from tests.swarm.test_monitoring_peers import get
+from tests.swarm.test_monitoring_swarm import peer_rows, snapshot
 
 
 class Clock:

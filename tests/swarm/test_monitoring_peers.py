@@ -13,7 +13,6 @@ from monitoring import CONTRACT_METRICS, CUDA_ONLY_METRICS
 from peer.events import BottleneckChanged
 from peer.testing import Peer, Swarm, until
 
-pytestmark = pytest.mark.integration
 
 
 def get(port: int, path: str) -> Tuple[int, str]:

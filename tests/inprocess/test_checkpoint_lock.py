@@ -150,7 +150,6 @@ def fingerprints(directory: Path) -> dict:
     return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in directory.glob("checkpoint-*.pt")}
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(150)
 async def test_a_second_peer_on_a_busy_checkpoint_dir_exits_2_and_the_first_trains_on_untouched(tmp_path):
     # --keep-checkpoints 100000: the first peer prunes nothing, so every file it had must still be there,

@@ -22,7 +22,7 @@ from averaging.api import AveragingHooks, RoundReport, SwarmView
 from averaging.deadlines import AdaptiveDeadlines
 from averaging.donor import DonorView
 from averaging.rounds import DONOR_CHECK_SECONDS, FRESH_READ_SECONDS, SETTLE_SECONDS, RoundKeeper
-from tests.test_averaging_inprocess import run_in_threads, start_dhts
+from tests.inprocess.test_averaging import run_in_threads, start_dhts
 
 SIZE = 2 * 2**17  # hivemind gives each of the two reducers a half (smaller vectors go to one)
 CHUNK_TIMEOUT = 1.0  # a reducer silent for twice this long is given up on

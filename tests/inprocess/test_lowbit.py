@@ -10,7 +10,7 @@ from hivemind.compression import CompressionInfo, deserialize_torch_tensor, seri
 from averaging import hivemind_compat
 from averaging.compression import make_codec, payload_bytes
 from averaging.lowbit import BLOCK, CODEC_IDS, BlockwiseAbsmax, TopK
-from tests.test_robust_allreduce import average_all, averagers
+from tests.inprocess.test_robust_allreduce import average_all, averagers
 
 
 def round_trip(codec, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """A clumsy peer's own NaN gradients are dropped before they reach a round (a malicious peer that sends
-them anyway: tests/test_reliability_hostile.py)."""
+them anyway: tests/reliability/test_hostile.py)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,6 @@ from peer.testing import Swarm
 POISON = json.dumps({"nan_gradients_at_steps": list(range(3, 300, 3))})
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(240)
 async def test_nan_gradients_are_dropped_by_their_own_peer_and_training_goes_on(tmp_path: Path):
     epochs = 6

@@ -15,7 +15,7 @@ from peer.task_names import BUILTIN_TASK_NAMES, check_task_name
 from peer.tasks import BUILTIN_TASKS, Task, TaskLoadError, load_task
 from peer.tasks.bytelm import SIZES, build_corpus, make_bytelm_task
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY = SIZES["tiny"]
 
 
@@ -263,7 +263,7 @@ def test_example_custom_task_learns(monkeypatch):
 def test_a_task_module_in_the_current_directory_is_found_as_the_readme_says(monkeypatch):
     """`peer start --task examples.custom_task:make_task` from the repository root: the console script's
     sys.path holds its own directory, not the current one."""
-    repo_root = Path(__file__).resolve().parent.parent
+    repo_root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(repo_root)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(repo_root))])
     for name in [name for name in sys.modules if name == "examples" or name.startswith("examples.")]:

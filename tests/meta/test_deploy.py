@@ -132,7 +132,6 @@ def test_compose_peers_read_the_address_the_bootstrap_writes(compose: Dict):
         assert services["monitor"]["environment"][key] == services["peer"]["environment"][key], key
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(180)
 async def test_compose_bootstrap_flow_runs_here(compose: Dict, tmp_path: Path):
     """The compose commands, health check and environment, run as processes on 127.0.0.1.
@@ -480,7 +479,6 @@ def wait_for_data(swarm: LiveSwarm, queries: List[Tuple[str, str, str]], timeout
 
 
 @ON_ONE_WORKER
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_every_peer_panel_query_returns_data(live_swarm: LiveSwarm):
     peer_queries = [q for q in panel_queries() if 'job="monitor"' not in q[2]]
@@ -500,7 +498,6 @@ def test_every_peer_panel_query_returns_data(live_swarm: LiveSwarm):
 
 
 @ON_ONE_WORKER
-@pytest.mark.integration
 def test_image_healthcheck_passes_against_a_live_peer(live_swarm: LiveSwarm):
     result = image_healthcheck(int(live_swarm.instances[0].rsplit(":", 1)[1]))
     assert result.returncode == 0, result.stderr
@@ -508,7 +505,6 @@ def test_image_healthcheck_passes_against_a_live_peer(live_swarm: LiveSwarm):
 
 
 @ON_ONE_WORKER
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_every_monitor_panel_query_returns_data(live_swarm: LiveSwarm):
     monitor_queries = [q for q in panel_queries() if 'job="monitor"' in q[2]]

@@ -19,7 +19,6 @@ from peer.events import (
 )
 from peer.testing import Swarm, max_parameter_difference
 
-pytestmark = pytest.mark.integration
 EPOCHS = 6
 
 

@@ -12,7 +12,7 @@ from averaging import error_feedback, hivemind_compat
 from averaging.error_feedback import ErrorFeedback
 from averaging.robust import RobustPolicy
 from averaging.robust_allreduce import Defence, building
-from tests.test_averaging_inprocess import run_in_threads, start_dhts
+from tests.inprocess.test_averaging import run_in_threads, start_dhts
 
 PEERS = 4
 SIZE = PEERS * 2**17  # hivemind splits in parts of 2**17 float32 values: one part for each reducer

@@ -29,7 +29,6 @@ def test_short_or_missing_key_is_a_clear_error(tmp_path: Path):
         read_swarm_key(tmp_path / "missing.key")
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(200)
 async def test_peer_with_wrong_key_cannot_join_a_round(tmp_path: Path):
     good, bad = tmp_path / "good.key", tmp_path / "bad.key"

@@ -19,7 +19,7 @@ from pathlib import Path
 import grimp
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALLOWED = {
     "peer": {"averaging", "dht", "monitoring"},
     "averaging": {"dht"},
