@@ -3,8 +3,8 @@
 This is the bottom of the averaging package: plain data (RoundReport, SwarmView), the callbacks
 an optimizer reports through (AveragingHooks), what it is built for (Replica), and the
 SwarmOptimizer Protocol. The loop in peer/ uses these names and nothing else of averaging's
-internals: no tracker, no averager, no hivemind object. A strategy (averaging/sync.py,
-averaging/diloco.py) implements the Protocol; tests implement it with a fake.
+internals: no tracker, no averager, no hivemind object. A strategy (averaging/strategies/sync.py,
+averaging/strategies/diloco.py) implements the Protocol; tests implement it with a fake.
 
 This module imports no hivemind and no strategy.
 """
@@ -22,7 +22,7 @@ from dht.keys import SwarmKeys
 OUTCOMES = ("ok", "partial", "failed", "timeout", "skipped")
 APART = ("partial", "failed", "timeout")
 """Outcomes after which this peer may hold a different state from peers that averaged without it: a partial
-round kept this peer's own values where a part of the average never arrived (averaging/completeness.py);
+round kept this peer's own values where a part of the average never arrived (averaging/pipeline/completeness.py);
 a failed or timed-out one applied only this peer's own update."""
 
 
@@ -70,12 +70,12 @@ class AveragingHooks:
     state_loaded: Callable[[int], None] = lambda epoch: None
     """Called with the new local epoch after state was downloaded from peers."""
     contribution_dropped: Callable[[str], None] = lambda reason: None
-    """A reducer of this peer left another peer's contribution out (reason: averaging/robust.py's Drop)."""
+    """A reducer of this peer left another peer's contribution out (reason: averaging/pipeline/robust.py's Drop)."""
     peer_excluded: Callable[[str], None] = lambda peer_id: None
     """This peer excluded another one (base58 id) after repeated dropped contributions."""
     before_round: Callable[[int], None] = lambda epoch: None
     """Called as this peer's averaging round at local `epoch` begins (sync, diloco); an exception it raises fails
-    the round like any other failure. For fault injection in tests (peer/faults.py)."""
+    the round like any other failure. For fault injection in tests (peer/testing/faults.py)."""
     guards_gradients: Callable[[], bool] = lambda: True
     """Whether a batch whose gradients hold NaN or Inf is dropped before it reaches the swarm (sync). Always, but
     for fault injection in tests: a hostile peer that sends them on purpose."""

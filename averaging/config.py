@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 STRATEGIES = ("sync", "local-sgd", "powersgd", "diloco")
 CODECS = ("none", "fp16", "scaled-fp16", "uint8", "quantile8", "blockwise8", "int8", "int4", "topk", "adaptive")
 LARGE_CODECS = ("uint8", "quantile8", "blockwise8")
-FEEDBACK_CODECS = ("int8", "int4", "topk")  # ours: their replies are dense fp16 (averaging/error_feedback.py)
+FEEDBACK_CODECS = ("int8", "int4", "topk")  # ours: their replies are dense fp16 (averaging/pipeline/error_feedback.py)
 BITSANDBYTES_INSTALL = "pip install 'swarmtrain[bitsandbytes]'"
 AUTO = "auto"
 

@@ -7,7 +7,7 @@ with ``@@ `` followed by JSON (anything else on stdout is ignored); logs go to s
 
 - ``bare``: `hivemind.averaging.DecentralizedAverager` over one float32 tensor, hivemind's
   defaults except ``min_matchmaking_time`` (the same window as ours).
-- ``ours``: the gradient averager of the SyncOptimizer that `averaging.factory.build_swarm_optimizer`
+- ``ours``: the gradient averager of the SyncOptimizer that `averaging.strategies.factory.build_swarm_optimizer`
   builds from an `AveragingConfig` (our codec, request timeout, matchmaking floor, all-reduce
   timeout), over a model with one parameter of the same size, driven as hivemind.Optimizer
   drives it: ``schedule_step`` (matchmaking ahead of time), then ``step(control=...)``.
@@ -72,7 +72,7 @@ class Peer:
 
         from averaging.api import Replica
         from averaging.config import AveragingConfig
-        from averaging.factory import build_swarm_optimizer
+        from averaging.strategies.factory import build_swarm_optimizer
         from dht.config import DHTConfig
         from dht.keys import SwarmKeys
         from dht.node import start_dht
@@ -192,8 +192,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
-    from peer import lifeline
-    from peer.logs import silence_hivemind
+    from peer.process import lifeline
+    from peer.telemetry.logs import silence_hivemind
 
     lifeline.install()  # the DHT, p2pd and averager processes die with this worker
     peer = Peer(args)

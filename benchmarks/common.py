@@ -217,7 +217,7 @@ def child_env(**extra: str) -> Dict[str, str]:
 
 def kill_session(process: subprocess.Popen, wait_seconds: float = 10.0) -> None:
     """SIGKILL a process started with start_new_session and everything in its session (DHT, p2pd,
-    averagers, data workers: each in a process group of its own, see peer/lifeline.py), then reap it
+    averagers, data workers: each in a process group of its own, see peer/process/lifeline.py), then reap it
     with a bounded wait."""
     from peer.testing import signal_session
 

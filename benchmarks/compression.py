@@ -5,18 +5,18 @@ adaptive, and blockwise8 when bitsandbytes is importable), on gradients from rea
 passes of the default task (`bytelm`; `bytelm-tiny` in smoke mode), after a few training steps:
 
 - ``payload_ratio``: the serialized size of one peer's gradients under the codec, divided by
-  their float32 size (`averaging.compression.payload_bytes`, the number the metrics use);
+  their float32 size (`averaging.codecs.compression.payload_bytes`, the number the metrics use);
 - ``rel_l2_error`` and ``max_abs_error``: one compress/decompress round trip of the whole
   gradient, ||g' - g|| / ||g|| and max |g' - g| (worst over the sampled steps);
 - round time of a 2-peer averaging round on 127.0.0.1: one `DecentralizedAverager` pair per
-  codec (our codec object from `averaging.compression.make_codec`, our request timeout),
+  codec (our codec object from `averaging.codecs.compression.make_codec`, our request timeout),
   all alive at once, rounds interleaved across codecs (forward, then reversed); each round is
   split into matchmaking and all-reduce where the group is assembled, as in allreduce_link.
 
 - error feedback: over ``--feedback-rounds`` consecutive real gradients (the task keeps training
   between them), the error of the accumulated update, ||sum of what was received - sum of the
   gradients|| / ||sum of the gradients||, for each lossy codec as it is and, for those error
-  feedback runs with (int8, int4, topk), with it (`averaging.error_feedback.encode_with_feedback`).
+  feedback runs with (int8, int4, topk), with it (`averaging.pipeline.error_feedback.encode_with_feedback`).
 
 On loopback the wire is nearly free, so the all-reduce time mostly shows what encoding and
 decoding cost; over a slow link the payload ratio is what matters (see allreduce_link).
@@ -58,8 +58,8 @@ def real_gradients(task_name: str, train_steps: int, samples: int, seed: int = 0
     taken after `train_steps` optimizer steps of the task's own optimizer."""
     import torch
 
-    from peer.data import endless, make_loader
     from peer.tasks import load_task
+    from peer.tasks.data import endless, make_loader
 
     task = load_task(task_name)
     torch.manual_seed(seed)
@@ -82,7 +82,7 @@ def round_trip_errors(grads: List, codec) -> Dict[str, float]:
     import torch
     from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
-    from averaging import hivemind_compat
+    from averaging.adapter import hivemind_compat
 
     hivemind_compat.install()  # the numpy 2 fix the 8-bit codecs need to decode, as in every peer
     rel, worst = [], 0.0
@@ -103,7 +103,7 @@ def accumulated_error(sequence: List, codec, feedback: bool) -> float:
     import torch
     from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
-    from averaging.error_feedback import encode_with_feedback
+    from averaging.pipeline.error_feedback import encode_with_feedback
 
     residuals = [torch.zeros_like(g) for g in sequence[0]]
     meant = [torch.zeros_like(g) for g in sequence[0]]
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     import hivemind
     import torch
 
-    from averaging.compression import make_codec, payload_bytes
+    from averaging.codecs.compression import make_codec, payload_bytes
     from averaging.config import BITSANDBYTES_INSTALL, bitsandbytes_available
     from benchmarks.allreduce_worker import wait_for_group
 
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
                         f"{'ok' if ok else 'FAILED ' + str(error)}")
     finally:
         from dht.node import quiet_dht_logs, shutdown_dht
-        from peer.logs import silence_hivemind
+        from peer.telemetry.logs import silence_hivemind
 
         silence_hivemind()  # teardown races between averagers and DHTs print tracebacks that mean nothing here
         for dht in dhts:

@@ -5,9 +5,9 @@ optimizer, trained four ways in one process, in interleaved windows (ABCD, DCBA,
 
 - ``plain``: a plain PyTorch loop: next batch, to device, forward, backward, ``float(loss)``,
   ``optimizer.step()``, ``zero_grad()``.
-- ``daemon``: the real `peer.trainer.Trainer` (its ``run()`` loop, one call per window) with a
+- ``daemon``: the real `peer.runtime.trainer.Trainer` (its ``run()`` loop, one call per window) with a
   real DHT on 127.0.0.1, the SyncOptimizer that `peer start` builds, and monitoring wired as
-  `peer start` wires it (peer/builder.py): PhaseTimer feeding PeerMetrics and the BottleneckClassifier,
+  `peer start` wires it (peer/runtime/builder.py): PhaseTimer feeding PeerMetrics and the BottleneckClassifier,
   MetricsObserver, HealthCheck, the /metrics exporter on 127.0.0.1 and the peer-record publisher.
   The target batch is so large that no averaging round ever happens.
 - ``daemon_monitoring_off``: the same Trainer object with per-step monitoring removed: a timer
@@ -19,7 +19,7 @@ Each window runs a fixed number of steps; the first few of each window are warm-
 counted. The rate of a window is samples / seconds between the end of its first counted step
 and the end of its last. Ratios are taken between windows of the same round, then the median
 over rounds is reported. Every way runs in the same precision (the forward and loss under autocast,
-as peer/precision.py does): fp32 on the CPU; fp32 and bf16 on CUDA. CUDA rows run when a CUDA
+as peer/runtime/precision.py does): fp32 on the CPU; fp32 and bf16 on CUDA. CUDA rows run when a CUDA
 device is present and are skipped (with a note) otherwise; there the task is `--cuda-task`
 (default: bytelm widened to about 57M parameters, so that a step takes well over 20 ms and the
 daemon's per-step cost is measured against real GPU work, not launch overhead).
@@ -93,7 +93,7 @@ class WindowStop:
     """Stops Trainer.run() after `steps` steps; records when each step ended."""
 
     def __init__(self, steps: int):
-        from peer.signals import StopRequest
+        from peer.process.signals import StopRequest
 
         self.request, self.steps, self.ends = StopRequest(), steps, []
 
@@ -118,14 +118,15 @@ class Ways:
         import hivemind
         import torch
 
-        from peer.builder import PeerBuilder
         from peer.config import load_config
-        from peer.data import endless, make_loader
-        from peer.precision import MixedPrecision
-        from peer.progress import ProgressDisplay
-        from peer.signals import StopRequest
+        from peer.process.signals import StopRequest
+        from peer.runtime.builder import PeerBuilder
+        from peer.runtime.precision import MixedPrecision
+        from peer.runtime.trainer import seed_from_run_id
         from peer.tasks import load_task
-        from peer.trainer import TrainingObserver, seed_from_run_id
+        from peer.tasks.data import endless, make_loader
+        from peer.telemetry.console import ProgressDisplay
+        from peer.telemetry.reports import TrainingObserver
 
         self.torch, self.device = torch, torch.device(device_name)
         self.task = load_task(task_name)
@@ -180,7 +181,7 @@ class Ways:
     # --- one window of each way ------------------------------------------------------------
 
     def _loop(self, model, optimizer, batches, steps: int) -> List[float]:
-        from peer.data import move_to
+        from peer.tasks.data import move_to
 
         ends = []
         for _ in range(steps):
@@ -198,7 +199,7 @@ class Ways:
         return ends
 
     def _trainer_window(self, steps: int, monitoring: bool) -> List[float]:
-        from peer.trainer import TrainingObserver
+        from peer.telemetry.reports import TrainingObserver
 
         window = WindowStop(steps)
         inner = self.observer_on if monitoring else self.observer_off
@@ -332,8 +333,8 @@ def main(argv=None) -> int:
         "batch_size": batch_size,
         "ways": {
             "plain": "plain PyTorch loop: batch to device, forward, backward, float(loss), optimizer step, zero_grad",
-            "daemon": "peer.trainer.Trainer.run() with a real DHT and SyncOptimizer, assembled by "
-                      "peer/builder.py as peer start does (PhaseTimer -> PeerMetrics + BottleneckClassifier, "
+            "daemon": "peer.runtime.trainer.Trainer.run() with a real DHT and SyncOptimizer, assembled by "
+                      "peer/runtime/builder.py as peer start does (PhaseTimer -> PeerMetrics + BottleneckClassifier, "
                       "MetricsObserver, HealthCheck, exporter, peer-record publisher); target batch too large for "
                       "any averaging round",
             "daemon_monitoring_off": "the same Trainer with no-op phase timer and observer (exporter and publisher "

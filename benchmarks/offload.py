@@ -64,7 +64,7 @@ def child(args) -> int:
 
     from averaging.api import Replica
     from averaging.config import AveragingConfig
-    from averaging.factory import build_swarm_optimizer
+    from averaging.strategies.factory import build_swarm_optimizer
     from dht.config import DHTConfig
     from dht.keys import SwarmKeys
     from dht.node import shutdown_dht, start_dht

@@ -7,9 +7,9 @@ fourth process that is either
   attacker costs, so that the ratio measures the protocol, not the CPU share of a fourth process;
 - ``nan``, ``scaled-1e4``, ``sign-flipped``: an attacker in the honest peers' run whose gradients are
   NaN (sent past its own guard), multiplied by 1e4, or multiplied by -1 (`--inject-faults` with
-  peer/faults.py's HOSTILE_PEERS).
+  peer/testing/faults.py's HOSTILE_PEERS).
 
-The peers run under the asyncio harness (peer/testing.py); what they do is read from their events.
+The peers run under the asyncio harness (peer/testing/); what they do is read from their events.
 Reported per run:
 
 - ``epochs_per_minute``: the honest peers' median rate over the whole measured window;
@@ -51,9 +51,9 @@ if __package__ in (None, ""):
 
 from benchmarks import common
 from benchmarks.scaling import epochs, ready_time, stop_all
-from peer.events import PeerExcluded, Ready
-from peer.faults import HOSTILE_PEERS
+from peer.telemetry.events import PeerExcluded, Ready
 from peer.testing import Peer, PeerFailed, Swarm
+from peer.testing.faults import HOSTILE_PEERS
 
 NAME = "robustness"
 HONEST_PEERS = 3

@@ -2,7 +2,7 @@
 
 **Scaling.** For each peer count N (1, 2, 4), N real `peer start` processes on 127.0.0.1 train
 the default task (`bytelm-tiny` in quick mode) with the same global target batch, started
-together (``--min-peers N``) with the asyncio harness (peer/testing.py). Each peer's `epoch`
+together (``--min-peers N``) with the asyncio harness (peer/testing/). Each peer's `epoch`
 events are read as they are written; the run stops (SIGTERM, a graceful stop) at the first one whose
 ``val_loss`` is at or below the target. Reported: ``time_to_target_seconds`` (from the moment the
 last peer was a member of the swarm, its `ready` event, to that `epoch` event),
@@ -62,7 +62,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import common
-from peer.events import EpochEnded, Ready
+from peer.telemetry.events import EpochEnded, Ready
 from peer.testing import Peer, PeerFailed, Swarm
 
 NAME = "scaling"

@@ -94,7 +94,7 @@ def time_to(curve: List[dict], target: float) -> Optional[float]:
 
 
 async def one_run(run: common.Run, bridge: netns.Bridge, rate: str, setup: str, settings: dict, work: Path) -> dict:
-    from peer.events import EpochEnded, Ready
+    from peer.telemetry.events import EpochEnded, Ready
     from peer.testing import PeerFailed, Swarm
 
     diloco = setup.startswith("diloco")

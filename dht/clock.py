@@ -3,7 +3,7 @@
 hivemind stamps every DHT record with an expiry on its writer's clock and drops, on reading, the ones
 that have expired by the reader's clock. A peer whose clock runs ahead of the others' by more than a
 record's lifetime therefore sees none of their records: it trains alone and believes it is alone,
-while the others refuse its records as written in the future (averaging/claims.py), so it cannot
+while the others refuse its records as written in the future (averaging/swarm/claims.py), so it cannot
 drive the swarm's epochs either. Without a record that outlives the skew, nothing would tell it why.
 
 Each peer stores a small clock record, {"time": its clock}, every period_seconds, with a lifetime
@@ -12,7 +12,7 @@ rewritten since the last look is live, and was written at most a period (plus th
 by a right clock, `now - time` is about that period at most. When the median over live peers is ahead
 by more than the allowed skew (the lower median, so that one peer behind among two cannot tip it), this
 peer's clock is ahead of theirs: it says so once, and says when its clock agrees again. A clock behind
-the swarm's is found from the progress records' expiries instead (averaging/claims.py); a clock more
+the swarm's is found from the progress records' expiries instead (averaging/swarm/claims.py); a clock more
 than the lifetime ahead sees no clock record either. (A clock off when the peer starts is refused by
 hivemind's bootstrap, which dht/node.py explains.)
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.events import EpochEnded
+from peer.telemetry.events import EpochEnded
 from peer.testing import Swarm, max_parameter_difference
 
 TASK = "examples.custom_task:make_task"

@@ -23,7 +23,7 @@ ROUND_OUTCOMES = ("ok", "partial", "failed", "timeout", "skipped")
 """Values of the `outcome` label of `peer_averaging_rounds_total`."""
 
 DROP_REASONS = ("weight", "non-finite", "norm", "direction")
-"""Values of the `reason` label of `peer_dropped_contributions_total` (averaging/robust.py)."""
+"""Values of the `reason` label of `peer_dropped_contributions_total` (averaging/pipeline/robust.py)."""
 
 ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, math.inf)
 """Averaging round durations: from a LAN round of tens of ms to a 5-minute timeout."""

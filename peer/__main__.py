@@ -1,3 +1,3 @@
-from peer.entry import run
+from peer.cli.entry import run
 
 run()

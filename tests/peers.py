@@ -1,4 +1,4 @@
-"""Helpers for the tests beside the asyncio harness (peer/testing.py), which runs every peer process."""
+"""Helpers for the tests beside the asyncio harness (peer/testing/), which runs every peer process."""
 from __future__ import annotations
 
 import os

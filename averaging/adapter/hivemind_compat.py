@@ -1,7 +1,7 @@
 """The one seam to hivemind's internals: every patch we install, and a fingerprint of everything we copy or override.
 
 hivemind is pinned (PINNED_VERSION). Where its behaviour is wrong for us, we either subclass it
-(averaging/sync.py, averaging/state.py) or patch its classes here. Both depend on upstream code
+(averaging/strategies/sync.py, averaging/strategies/state.py) or patch its classes here. Both depend on upstream code
 we have read; UPSTREAM lists every such function with a fingerprint of its source, and the module
 of ours that depends on it. After an upgrade, `changed_upstream()` names each one to re-read, and
 `install()` refuses to run on another version whose fingerprinted code changed.
@@ -15,18 +15,18 @@ averager processes inherit the patched classes at fork:
   a second per peer on a 2-peer test swarm (1.6 cores), paced here to about 20 (0.5 cores), with
   as many epochs a second;
 - open rounds: every round started in this process is recorded, so that a leaving peer can drop
-  the rounds nobody will join (averaging/open_rounds.py);
-- progress claims: a tracker with a ClaimFilter attached (averaging/claims.py) reads only the
+  the rounds nobody will join (averaging/swarm/open_rounds.py);
+- progress claims: a tracker with a ClaimFilter attached (averaging/swarm/claims.py) reads only the
   progress records that filter believes;
-- robust aggregation and exclusion: an averager built with a Defence (averaging/robust_allreduce.py)
+- robust aggregation and exclusion: an averager built with a Defence (averaging/pipeline/robust_allreduce.py)
   reduces with a RobustPartReducer and refuses excluded peers in matchmaking, all-reduce and state
   sharing. An averager built without one behaves as upstream;
 - completeness: each all-reduce records the share of the average that never reached this peer, which
-  upstream only logs (averaging/completeness.py);
+  upstream only logs (averaging/pipeline/completeness.py);
 - codecs: hivemind decodes a message by the name of its compression type, an enum of its own six;
-  our codecs (averaging/lowbit.py) send ids above those, registered here under names of their own;
+  our codecs (averaging/codecs/lowbit.py) send ids above those, registered here under names of their own;
 - error feedback: an averager built with an ErrorFeedback averages its tensors plus the residuals
-  carried, through a FeedbackPartContainer (averaging/error_feedback.py).
+  carried, through a FeedbackPartContainer (averaging/pipeline/error_feedback.py).
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aenumerate, as_aiter, azip
 
-from averaging import completeness, error_feedback, lowbit, robust_allreduce
+from averaging.codecs import lowbit
+from averaging.pipeline import completeness, error_feedback, robust_allreduce
 
 logger = logging.getLogger(__name__)
 
@@ -74,59 +75,61 @@ _CONTAINER = "hivemind.averaging.partition.TensorPartContainer"
 # qualified name -> (sha256 of its source, first 16 hex digits; the module of ours that depends on it)
 UPSTREAM: Dict[str, Tuple[str, str]] = {
     # copied and patched here
-    f"{_QUANTIZATION}.Quantization.extract": ("c522c9b6fd9ddaa2", "averaging/hivemind_compat.py"),
-    f"{_QUANTIZATION}.BlockwiseQuantization.extract": ("83c934773cc388e2", "averaging/hivemind_compat.py"),
-    f"{_AVERAGER}._declare_for_download_periodically": ("23ae6db0d205bcaf", "averaging/hivemind_compat.py"),
+    f"{_QUANTIZATION}.Quantization.extract": ("c522c9b6fd9ddaa2", "averaging/adapter/hivemind_compat.py"),
+    f"{_QUANTIZATION}.BlockwiseQuantization.extract": ("83c934773cc388e2", "averaging/adapter/hivemind_compat.py"),
+    f"{_AVERAGER}._declare_for_download_periodically": ("23ae6db0d205bcaf", "averaging/adapter/hivemind_compat.py"),
     "hivemind.averaging.key_manager.GroupKeyManager.get_averagers":
-        ("916b0cdb1efbc75c", "averaging/hivemind_compat.py"),
-    f"{_AVERAGER}.step": ("0bccfba139de5ec2", "averaging/hivemind_compat.py"),
-    f"{_AVERAGER}._run_allreduce_inplace_": ("914d57cffc7d69e1", "averaging/hivemind_compat.py"),
-    f"{_AVERAGER}.run": ("56590878daa9e5a0", "averaging/hivemind_compat.py"),
-    f"{_AVERAGER}.run_in_background": ("028dd8b1e9b723d8", "averaging/hivemind_compat.py"),
-    f"{_AVERAGER}.rpc_join_group": ("a0c1dec1f5165713", "averaging/hivemind_compat.py"),
-    f"{_AVERAGER}.rpc_download_state": ("fd2f6f19e7d247af", "averaging/hivemind_compat.py"),
-    f"{_AVERAGER}._load_state_from_peers": ("fe7b419d01ced5fe", "averaging/hivemind_compat.py"),
-    f"{_MATCHMAKING}._request_join_group": ("df823040a94d1c1d", "averaging/hivemind_compat.py"),
-    # subclassed by averaging/robust_allreduce.py
-    f"{_REDUCER}.__init__": ("9ebe1038f511931b", "averaging/robust_allreduce.py"),
-    f"{_REDUCER}.accumulate_part": ("1d64a8bd77052ac4", "averaging/robust_allreduce.py"),
-    f"{_REDUCER}.check_current_part_finished": ("ec9b059c42f3ca27", "averaging/robust_allreduce.py"),
-    f"{_REDUCER}.reset_accumulators": ("5d3dc36f344a342e", "averaging/robust_allreduce.py"),
-    f"{_REDUCER}.finalize": ("dded462a11871d59", "averaging/robust_allreduce.py"),
+        ("916b0cdb1efbc75c", "averaging/adapter/hivemind_compat.py"),
+    f"{_AVERAGER}.step": ("0bccfba139de5ec2", "averaging/adapter/hivemind_compat.py"),
+    f"{_AVERAGER}._run_allreduce_inplace_": ("914d57cffc7d69e1", "averaging/adapter/hivemind_compat.py"),
+    f"{_AVERAGER}.run": ("56590878daa9e5a0", "averaging/adapter/hivemind_compat.py"),
+    f"{_AVERAGER}.run_in_background": ("028dd8b1e9b723d8", "averaging/adapter/hivemind_compat.py"),
+    f"{_AVERAGER}.rpc_join_group": ("a0c1dec1f5165713", "averaging/adapter/hivemind_compat.py"),
+    f"{_AVERAGER}.rpc_download_state": ("fd2f6f19e7d247af", "averaging/adapter/hivemind_compat.py"),
+    f"{_AVERAGER}._load_state_from_peers": ("fe7b419d01ced5fe", "averaging/adapter/hivemind_compat.py"),
+    f"{_MATCHMAKING}._request_join_group": ("df823040a94d1c1d", "averaging/adapter/hivemind_compat.py"),
+    # subclassed by averaging/pipeline/robust_allreduce.py
+    f"{_REDUCER}.__init__": ("9ebe1038f511931b", "averaging/pipeline/robust_allreduce.py"),
+    f"{_REDUCER}.accumulate_part": ("1d64a8bd77052ac4", "averaging/pipeline/robust_allreduce.py"),
+    f"{_REDUCER}.check_current_part_finished": ("ec9b059c42f3ca27", "averaging/pipeline/robust_allreduce.py"),
+    f"{_REDUCER}.reset_accumulators": ("5d3dc36f344a342e", "averaging/pipeline/robust_allreduce.py"),
+    f"{_REDUCER}.finalize": ("dded462a11871d59", "averaging/pipeline/robust_allreduce.py"),
     "hivemind.averaging.allreduce.AllReduceRunner.__init__":
-        ("597a0c8dbbeabbe3", "averaging/robust_allreduce.py, averaging/error_feedback.py"),
-    # subclassed by averaging/error_feedback.py
-    f"{_CONTAINER}.__init__": ("b652a9b7267354d8", "averaging/error_feedback.py"),
-    f"{_CONTAINER}.register_processed_part": ("ff5ebad6141c4a88", "averaging/error_feedback.py"),
-    f"{_CONTAINER}.register_failed_reducer": ("89b41b9d7f225968", "averaging/error_feedback.py"),
-    f"{_CONTAINER}.iterate_input_parts_for": ("e7a44eb8df9f9f26", "averaging/error_feedback.py"),
+        ("597a0c8dbbeabbe3", "averaging/pipeline/robust_allreduce.py, averaging/pipeline/error_feedback.py"),
+    # subclassed by averaging/pipeline/error_feedback.py
+    f"{_CONTAINER}.__init__": ("b652a9b7267354d8", "averaging/pipeline/error_feedback.py"),
+    f"{_CONTAINER}.register_processed_part": ("ff5ebad6141c4a88", "averaging/pipeline/error_feedback.py"),
+    f"{_CONTAINER}.register_failed_reducer": ("89b41b9d7f225968", "averaging/pipeline/error_feedback.py"),
+    f"{_CONTAINER}.iterate_input_parts_for": ("e7a44eb8df9f9f26", "averaging/pipeline/error_feedback.py"),
     # overridden by SyncOptimizer, or mimicked by DiLoCoOptimizer
-    f"{_OPTIMIZER}.__init__": ("310edba41646edad", "averaging/sync.py"),
-    f"{_OPTIMIZER}._make_state_averager": ("59a43eff001c3284", "averaging/sync.py"),
+    f"{_OPTIMIZER}.__init__": ("310edba41646edad", "averaging/strategies/sync.py"),
+    f"{_OPTIMIZER}._make_state_averager": ("59a43eff001c3284", "averaging/strategies/sync.py"),
     f"{_OPTIMIZER}._make_gradient_averager": ("b9a4450197c1e6fb", "dht/keys.py"),
     f"{_OPTIMIZER}._make_progress_tracker": ("a3fe70a367d732d6", "dht/keys.py"),
-    f"{_OPTIMIZER}._update_global_epoch": ("03a36523a3fce65e", "averaging/sync.py"),
-    f"{_OPTIMIZER}._check_and_accumulate_gradients": ("163c06c8f4909c30", "averaging/sync.py"),
-    f"{_OPTIMIZER}._begin_averaging_gradients": ("f17d8bb258a0c551", "averaging/sync.py"),
-    f"{_OPTIMIZER}._average_gradients_and_load_into_optimizer": ("d95bb5ebc061749e", "averaging/sync.py"),
-    f"{_OPTIMIZER}._should_load_state_from_peers": ("e1af5bdfc8e60b70", "averaging/sync.py, averaging/diloco.py"),
-    f"{_OPTIMIZER}.load_state_from_peers": ("87030a961ecf8f7f", "averaging/sync.py"),
-    f"{_OPTIMIZER}.shutdown": ("52e41b26128082bc", "averaging/sync.py"),
-    f"{_OPTIMIZER}.state_dict": ("55bd9a9e33fa57c6", "averaging/sync.py"),
-    f"{_OPTIMIZER}.load_state_dict": ("f27b8effe1d8a2d1", "averaging/sync.py"),
+    f"{_OPTIMIZER}._update_global_epoch": ("03a36523a3fce65e", "averaging/strategies/sync.py"),
+    f"{_OPTIMIZER}._check_and_accumulate_gradients": ("163c06c8f4909c30", "averaging/strategies/sync.py"),
+    f"{_OPTIMIZER}._begin_averaging_gradients": ("f17d8bb258a0c551", "averaging/strategies/sync.py"),
+    f"{_OPTIMIZER}._average_gradients_and_load_into_optimizer": ("d95bb5ebc061749e", "averaging/strategies/sync.py"),
+    f"{_OPTIMIZER}._should_load_state_from_peers": ("e1af5bdfc8e60b70",
+                                                    "averaging/strategies/sync.py, averaging/strategies/diloco.py"),
+    f"{_OPTIMIZER}.load_state_from_peers": ("87030a961ecf8f7f", "averaging/strategies/sync.py"),
+    f"{_OPTIMIZER}.shutdown": ("52e41b26128082bc", "averaging/strategies/sync.py"),
+    f"{_OPTIMIZER}.state_dict": ("55bd9a9e33fa57c6", "averaging/strategies/sync.py"),
+    f"{_OPTIMIZER}.load_state_dict": ("f27b8effe1d8a2d1", "averaging/strategies/sync.py"),
     # overridden by the guarded state averagers (and called with _make_state_averager's arguments)
-    f"{_STATE_AVERAGER}.__init__": ("97f573400a46cdf9", "averaging/state.py"),
-    f"{_STATE_AVERAGER}._apply_averaging_results_": ("32b49f6bd7088974", "averaging/state.py"),
-    f"{_STATE_AVERAGER}.load_state_from_peers": ("e4d647a9ea78cde8", "averaging/state.py"),
-    f"{_STATE_AVERAGER}._do": ("0b1896170cc6bdb0", "averaging/state.py"),
-    f"{_AVERAGER}.load_state_from_peers": ("973fae40a3d1e16f", "averaging/state.py"),
-    f"{_TRACKER}._parse_swarm_progress_data": ("1b5ad87469d3c13f", "averaging/hivemind_compat.py"),
+    f"{_STATE_AVERAGER}.__init__": ("97f573400a46cdf9", "averaging/strategies/state.py"),
+    f"{_STATE_AVERAGER}._apply_averaging_results_": ("32b49f6bd7088974", "averaging/strategies/state.py"),
+    f"{_STATE_AVERAGER}.load_state_from_peers": ("e4d647a9ea78cde8", "averaging/strategies/state.py"),
+    f"{_STATE_AVERAGER}._do": ("0b1896170cc6bdb0", "averaging/strategies/state.py"),
+    f"{_AVERAGER}.load_state_from_peers": ("973fae40a3d1e16f", "averaging/strategies/state.py"),
+    f"{_TRACKER}._parse_swarm_progress_data": ("1b5ad87469d3c13f", "averaging/adapter/hivemind_compat.py"),
     # read or driven from outside
-    f"{_TRACKER}._progress_reporter": ("affc9ed95108eacf", "averaging/progress.py"),
-    f"{_TRACKER}._progress_fetcher": ("ed458942519098a2", "averaging/progress.py"),
+    f"{_TRACKER}._progress_reporter": ("affc9ed95108eacf", "averaging/swarm/progress.py"),
+    f"{_TRACKER}._progress_fetcher": ("ed458942519098a2", "averaging/swarm/progress.py"),
     "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager.__init__":
-        ("cabf7da27882b293", "averaging/compression.py"),
-    "hivemind.compression.serialization.deserialize_torch_tensor": ("74f1eed9fb9b7de3", "averaging/hivemind_compat.py"),
+        ("cabf7da27882b293", "averaging/codecs/compression.py"),
+    "hivemind.compression.serialization.deserialize_torch_tensor": ("74f1eed9fb9b7de3",
+                                                                     "averaging/adapter/hivemind_compat.py"),
 }
 
 
@@ -321,7 +324,7 @@ _unfiltered_parse = ProgressTracker._parse_swarm_progress_data
 
 
 def _filtered_parse(self: ProgressTracker, metadata):
-    claims = getattr(self, "claims", None)  # set by averaging/progress.py on the trackers we build
+    claims = getattr(self, "claims", None)  # set by averaging/swarm/progress.py on the trackers we build
     if claims is not None and isinstance(metadata, dict):
         metadata = claims.filter(metadata, get_dht_time(), local_epoch=self.local_progress.epoch)
     return _unfiltered_parse(self, metadata)
@@ -354,7 +357,7 @@ async def _run_allreduce_inplace_recorded(self: DecentralizedAverager, tensors, 
                                           group_id=None, **kwargs):
     # upstream's DecentralizedAverager._run_allreduce_inplace_, with a RobustAllReduceRunner when this
     # averager carries a Defence, and the share of the average that never arrived recorded for the
-    # training process (averaging/completeness.py). A group that a leader unaware of an exclusion formed
+    # training process (averaging/pipeline/completeness.py). A group that a leader unaware of an exclusion formed
     # with an excluded peer is not left: this peer's reducers drop what it sends, and a peer that has not
     # excluded it yet gets to judge it (leaving such groups split the swarm: the unaware peer averaged
     # with the attacker alone). With error feedback, the runner averages x = tensors + residuals.

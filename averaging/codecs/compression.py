@@ -5,7 +5,7 @@
 serialized buffers, as hivemind sends them), so that byte counters and the README's
 arithmetic use one number. `round_payload_bytes` says which tensors one averaging round
 of each strategy sends, and what the replies to them weigh. This module must not start anything
-or touch the network. The 8-bit codecs decode only with averaging/hivemind_compat.py installed
+or touch the network. The 8-bit codecs decode only with averaging/adapter/hivemind_compat.py installed
 (a numpy 2 fix).
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ from hivemind.compression import (
 )
 from hivemind.utils.math import get_flatten_greedy_dims
 
+from averaging.codecs.lowbit import TOPK_FRACTION, BlockwiseAbsmax, TopK
 from averaging.config import BITSANDBYTES_INSTALL, CODECS, AveragingConfig, bitsandbytes_available
-from averaging.lowbit import TOPK_FRACTION, BlockwiseAbsmax, TopK
 
 _FIXED = {
     "none": NoCompression,
@@ -112,7 +112,7 @@ def powersgd_factors(
 
 def reply_codec(codec: CompressionBase) -> CompressionBase:
     """What a reducer's replies to a contribution sent with `codec` are encoded with: the same codec, except
-    for ours (averaging/lowbit.py), which reply in dense fp16."""
+    for ours (averaging/codecs/lowbit.py), which reply in dense fp16."""
     return Float16Compression() if isinstance(codec, (BlockwiseAbsmax, TopK)) else codec
 
 

@@ -2,7 +2,7 @@
 
 They implement hivemind's CompressionBase, so an averager sends them like its own codecs.
 hivemind picks the decoder by the message's compression type, an enum with only its own six
-values: ours use ids above them (CODEC_IDS), which averaging/hivemind_compat.py registers.
+values: ours use ids above them (CODEC_IDS), which averaging/adapter/hivemind_compat.py registers.
 
 - int8 / int4: the flattened tensor is cut into blocks of BLOCK values; each block is sent as
   its absolute maximum (fp32) and its values rounded to the nearest of 2*127+1 (int8) or 2*7+1
@@ -17,7 +17,7 @@ A reducer replies to each sender with the average minus what it received from th
 encoded with the codec registered for the message's id. For all three that one replies in dense
 fp16 (`dense_replies=True`): the top 1% of that correction would leave each peer mostly its own
 values, and a quantized correction would leave peers apart by its own error, which no error
-feedback can carry (averaging/error_feedback.py).
+feedback can carry (averaging/pipeline/error_feedback.py).
 
 Values that are not finite decode as 0 (int8 and int4: with the rest of their block): a peer's
 own guard drops such gradients before a round, so only a hostile peer sends them.

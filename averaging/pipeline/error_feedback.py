@@ -4,7 +4,7 @@ A peer with error feedback sends x = g + e, its contribution plus the residual e
 earlier rounds, and keeps e' = x - decoded(x) for each part another peer reduced. hivemind's reducer
 replies to each sender with average - decoded(what it sent); adding that reply to decoded(x), not
 to x, leaves every peer with the same average, and the loss is carried instead of applied at once
-(averaging/lowbit.py's codecs reply in dense fp16, so peers agree to fp16 precision). The part a
+(averaging/codecs/lowbit.py's codecs reply in dense fp16, so peers agree to fp16 precision). The part a
 peer reduces itself never goes through the codec: its residual is consumed whole.
 
 Where a round does not deliver a part (a reducer failed, or the round never started), the peer keeps
@@ -23,7 +23,7 @@ import torch
 from hivemind.averaging.partition import TensorPartContainer
 from hivemind.compression import CompressionBase, CompressionInfo
 
-from averaging.carried import Carried
+from averaging.pipeline.carried import Carried
 
 
 def finite(tensor: torch.Tensor) -> torch.Tensor:

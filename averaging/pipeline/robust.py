@@ -17,8 +17,8 @@ sender's contribution to that part. Instead of averaging whatever arrives, a red
    trimmed mean, or CenteredClip (Karimireddy et al. 2021, as in BTARD).
 
 Every drop but the first kind is an offence by its sender, reported so that repeat offenders can be
-excluded (averaging/exclusion.py). This module is pure torch: the hivemind wiring lives in
-averaging/robust_allreduce.py.
+excluded (averaging/pipeline/exclusion.py). This module is pure torch: the hivemind wiring lives in
+averaging/pipeline/robust_allreduce.py.
 """
 from __future__ import annotations
 

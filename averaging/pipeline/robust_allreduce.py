@@ -3,15 +3,15 @@
 Each hivemind averager is its own process, forked when it starts. A `Defence` is made in the peer's
 main process before its averagers fork (see `building`), and each averager it builds carries it:
 
-- the averager's reducers are RobustPartReducers (averaging/robust.py decides what is dropped);
+- the averager's reducers are RobustPartReducers (averaging/pipeline/robust.py decides what is dropped);
 - after every round, each reducer sends a verdict per sender (dropped, and why, or not) back to the
-  main process through the Defence's queue; there an ExclusionBook (averaging/exclusion.py) decides
+  main process through the Defence's queue; there an ExclusionBook (averaging/pipeline/exclusion.py) decides
   who is excluded and writes the excluded peer ids into the Defence's shared memory;
 - every averager process reads that list: it refuses excluded peers as followers and as leaders in
   matchmaking, neither serves its state to one nor downloads state from one, and drops what one sends
   in a group that another leader formed with it.
 
-The hivemind patches that call into here are installed by averaging/hivemind_compat.py.
+The hivemind patches that call into here are installed by averaging/adapter/hivemind_compat.py.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.p2p import PeerID
 
-from averaging.carried import Carried
-from averaging.robust import Contribution, Drop, NothingToAggregate, RobustPolicy, aggregate
+from averaging.pipeline.carried import Carried
+from averaging.pipeline.robust import Contribution, Drop, NothingToAggregate, RobustPolicy, aggregate
 
 logger = logging.getLogger(__name__)
 

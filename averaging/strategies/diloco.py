@@ -31,10 +31,10 @@ State lives in a hivemind TrainingStateAverager that owns the inner optimizer an
 scheduler and carries the round-start params and the outer momentum as extra tensors, so
 load_state_from_peers brings params + outer momentum + inner optimizer state + epoch. A peer
 whose round was partial or failed while others exist downloads the state of a peer whose round
-was whole (averaging/rounds.py), so one lost round does not leave it apart for good.
+was whole (averaging/strategies/rounds.py), so one lost round does not leave it apart for good.
 
 It implements the SwarmOptimizer Protocol (averaging/api.py) on hivemind's public pieces
-(DecentralizedAverager, ProgressTracker) and the guarded state averager (averaging/state.py). This
+(DecentralizedAverager, ProgressTracker) and the guarded state averager (averaging/strategies/state.py). This
 module must not know about metrics or the CLI; it reports through AveragingHooks.
 """
 from __future__ import annotations
@@ -50,16 +50,17 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.optim.progress_tracker import ProgressTracker
 
-from averaging import completeness, progress
 from averaging.api import Replica, RoundReport, SwarmView
-from averaging.compression import configured_codec
+from averaging.codecs.compression import configured_codec
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
-from averaging.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
-from averaging.error_feedback import ErrorFeedback, building
-from averaging.guards import all_finite
-from averaging.rounds import RoundKeeper, set_matchmaking_window
-from averaging.state import GuardedStateAverager
+from averaging.pipeline import completeness
+from averaging.pipeline.error_feedback import ErrorFeedback, building
+from averaging.pipeline.guards import all_finite
+from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
+from averaging.strategies.state import GuardedStateAverager
+from averaging.swarm import progress
+from averaging.swarm.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
 
 logger = logging.getLogger(__name__)
 

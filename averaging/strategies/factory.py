@@ -12,18 +12,19 @@ from typing import Optional
 
 from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
 
-from averaging import hivemind_compat, progress
+from averaging.adapter import hivemind_compat
 from averaging.api import Replica, SwarmOptimizer
-from averaging.compression import codecs_from_config
+from averaging.codecs.compression import codecs_from_config
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines
-from averaging.diloco import DiLoCoOptimizer
-from averaging.error_feedback import ErrorFeedback
-from averaging.exclusion import ExclusionBook, ExclusionRule, ExclusionWatch
-from averaging.robust import RobustPolicy
-from averaging.robust_allreduce import Defence, building
-from averaging.rounds import RoundKeeper
-from averaging.sync import SyncOptimizer
+from averaging.pipeline.error_feedback import ErrorFeedback
+from averaging.pipeline.exclusion import ExclusionBook, ExclusionRule, ExclusionWatch
+from averaging.pipeline.robust import RobustPolicy
+from averaging.pipeline.robust_allreduce import Defence, building
+from averaging.strategies.diloco import DiLoCoOptimizer
+from averaging.strategies.rounds import RoundKeeper
+from averaging.strategies.sync import SyncOptimizer
+from averaging.swarm import progress
 
 
 def progress_record_ttl_seconds(config: AveragingConfig) -> float:

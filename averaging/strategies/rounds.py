@@ -5,7 +5,7 @@
 - Outcomes: every round ends in one RoundReport, fed to the adaptive deadlines and the hooks.
 - Resync: a round that was partial, failed or timed out while other peers averaged leaves this peer
   apart (gradient and pseudo-gradient averaging never bring it back). It declares itself a worse
-  donor than its epoch (averaging/donor.py) and downloads the state of a peer that declares its
+  donor than its epoch (averaging/swarm/donor.py) and downloads the state of a peer that declares its
   epoch or later, which only a peer whose round was whole does. If none shows up within an
   averaging timeout (by then any whole peer's round has ended), every peer's round went wrong alike,
   as when a reducer died: the apart peer with the smallest id becomes the reference and the others
@@ -34,8 +34,8 @@ from typing import Callable, ContextManager, Iterable, Optional
 
 from averaging.api import APART, AveragingHooks, RoundReport, SwarmView
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
-from averaging.donor import DonorView
-from averaging.exclusion import ExclusionWatch
+from averaging.pipeline.exclusion import ExclusionWatch
+from averaging.swarm.donor import DonorView
 
 logger = logging.getLogger(__name__)
 

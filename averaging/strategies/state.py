@@ -6,7 +6,7 @@
 - ReportingStateAverager also reports every parameter-averaging round: local-sgd's only rounds, and
   sync's rounds that undo drift (a peer left out of its group's last one is apart from it).
 
-Both override upstream methods; averaging/hivemind_compat.py fingerprints what they override.
+Both override upstream methods; averaging/adapter/hivemind_compat.py fingerprints what they override.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import hivemind
 import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from averaging import completeness
 from averaging.api import RoundReport
-from averaging.guards import all_finite
+from averaging.pipeline import completeness
+from averaging.pipeline.guards import all_finite
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ What it adds to hivemind's optimizer:
   tracker or averagers;
 - every averaging round reports an outcome (ok, partial, failed, timeout, skipped), its duration and
   group size, and its blocking time is timed as the `averaging` phase; downloading state is timed as
-  `state_sync` (averaging/rounds.py);
+  `state_sync` (averaging/strategies/rounds.py);
 - after a round that left this peer apart from the others (partial, failed, timed out), it downloads
-  the state of a peer whose round was whole (averaging/rounds.py, averaging/donor.py);
+  the state of a peer whose round was whole (averaging/strategies/rounds.py, averaging/swarm/donor.py);
 - a batch with non-finite gradients never reaches the swarm, and an averaged result holding
   NaN/Inf is never applied;
 - `load_state_from_peers` gives up after a bounded number of attempts instead of retrying forever;
@@ -16,9 +16,9 @@ What it adds to hivemind's optimizer:
 - with local-sgd, the parameter-averaging rounds are reported too (they are its only rounds); with sync
   and powersgd, one that left this peer out of its group leaves it apart, as a gradient round would;
 - with error feedback, the gradient averager carries its codec's loss between rounds; the residuals
-  are checkpointed and dropped when state is downloaded (averaging/error_feedback.py).
+  are checkpointed and dropped when state is downloaded (averaging/pipeline/error_feedback.py).
 
-It overrides upstream methods; averaging/hivemind_compat.py fingerprints each of them.
+It overrides upstream methods; averaging/adapter/hivemind_compat.py fingerprints each of them.
 """
 from __future__ import annotations
 
@@ -30,14 +30,15 @@ import hivemind
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
-from averaging import completeness, progress
 from averaging.api import RoundReport, SwarmView
 from averaging.deadlines import Deadlines
-from averaging.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
-from averaging.error_feedback import ErrorFeedback, building
-from averaging.guards import all_finite
-from averaging.rounds import RoundKeeper, set_matchmaking_window
-from averaging.state import ReportingStateAverager
+from averaging.pipeline import completeness
+from averaging.pipeline.error_feedback import ErrorFeedback, building
+from averaging.pipeline.guards import all_finite
+from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
+from averaging.strategies.state import ReportingStateAverager
+from averaging.swarm import progress
+from averaging.swarm.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
 from dht.keys import SwarmKeys
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ records expire further ahead than any record could, it is this peer's clock that
 its records, so it cannot drive the swarm's epochs. A clock ahead of the swarm's by more than the
 matchmaking window writes records the others refuse ("written in the future"); it sees few or none of
 theirs (they look expired to it), and learns so from the swarm's longer-lived clock records (dht/clock.py).
-Records of peers this peer has excluded (averaging/exclusion.py) are not believed either: an excluded
+Records of peers this peer has excluded (averaging/pipeline/exclusion.py) are not believed either: an excluded
 peer's samples were never averaged, so they must not count toward the target.
 
 The owner of an absurd record is ignored for the rest of the run; an epoch beyond the bound is only
@@ -32,7 +32,7 @@ passes at its own rate). Both are logged once per owner. This peer's own record 
 What it does not stop: samples claimed at a plausible rate but never trained on (hivemind counts
 claimed samples); a lie told before this peer's first look costs that one download; a liar that
 claims a high rate can lead by that rate's worth of epochs and so pull peers into a download now
-and then (downloads back off when they fail, averaging/rounds.py). Excluding such peers for good
+and then (downloads back off when they fail, averaging/strategies/rounds.py). Excluding such peers for good
 needs the averaging rounds to judge what they send, which this filter cannot see.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ whose round was partial or failed applied (partly) its own update.
   ranks below every peer at its epoch whose round was whole, and below those one epoch behind too
   (a whole peer's declaration of its new epoch can lag its round: with a penalty of 0.5, a peer
   downloading then could take an apart peer's state over a whole one's: likely the 1.5e-4 of one CI run), and it waits
-  for a donor that declares its epoch or later (averaging/rounds.py). When a reducer died
+  for a donor that declares its epoch or later (averaging/strategies/rounds.py). When a reducer died
   mid-round, every survivor is apart: then the one with the smallest peer id among those apart at
   the epoch becomes the reference (it declares its epoch again) and the others download its state.
 - The final state: at the end of a run, raising the priority by DONOR_BONUS ranks a peer whose

@@ -4,7 +4,7 @@ The tracker counts the swarm's samples toward the target batch from signed progr
 (one subkey per peer, owned by the peer's RSA key). This module turns it into a SwarmView, makes
 it fetch afresh on demand, publishes a peer's record before it has any samples (the tracker
 itself publishes only once a peer has accumulated some, so peers waiting at a start gate would be
-invisible to each other), and makes it believe only plausible records (averaging/claims.py).
+invisible to each other), and makes it believe only plausible records (averaging/swarm/claims.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from averaging.api import SwarmView
-from averaging.claims import ClaimFilter
+from averaging.swarm.claims import ClaimFilter
 
 MIN_CLOCK_SKEW_SECONDS = 5.0
 

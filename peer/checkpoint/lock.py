@@ -15,7 +15,7 @@ would let a newcomer lock a fresh file while a third peer still waits on the old
 
 Forked children (hivemind's averagers, DataLoader workers) inherit every descriptor, and with
 it the lock: a SIGKILLed peer's lock would outlive it until its children notice
-(peer/lifeline.py). Each child closes its copy right after the fork (os.register_at_fork), so
+(peer/process/lifeline.py). Each child closes its copy right after the fork (os.register_at_fork), so
 the lock lives exactly as long as the peer process. Children started with exec never see it:
 Python opens the file close-on-exec.
 
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Optional, Set
 
-from peer.checkpoint import CheckpointError
+from peer.checkpoint.store import CheckpointError
 from peer.exit_codes import BadInput
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def _open(path: Path) -> Optional[int]:
     except OSError:
         pass
     # Nothing can be written there now, so a second peer could not prune anything either: training goes on,
-    # and each checkpoint that fails says so (peer/trainer.py).
+    # and each checkpoint that fails says so (peer/runtime/trainer.py).
     logger.warning(f"cannot create the lock file {path}: {create_error.strerror}; running without the lock "
                    f"that keeps a second peer out of this --checkpoint-dir")
     return None

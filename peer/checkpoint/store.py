@@ -23,7 +23,7 @@ grows, and recency is decided by it, never by modification times.
 This module must not decide when to checkpoint, what goes into a checkpoint, or move
 tensors between devices: that is the training loop's job. One store writes to a
 directory at a time: a new store deletes temp files it finds there, including those of
-a writer that is still running (a peer locks its directory: peer/checkpoint_lock.py).
+a writer that is still running (a peer locks its directory: peer/checkpoint/lock.py).
 """
 from __future__ import annotations
 

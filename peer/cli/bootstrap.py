@@ -18,11 +18,11 @@ from typing import Any, List, Optional
 
 import click
 
+from peer.cli.options import SectionedCommand, config_options_for, resolve_config
 from peer.config import OPTIONS, PeerConfig
 from peer.exit_codes import ExitCode
-from peer.options import SectionedCommand, config_options_for, resolve_config
 
-logger = logging.getLogger("peer.bootstrap")
+logger = logging.getLogger("peer.cli.bootstrap")
 
 DHT_FIELDS = [option.cli_name for option in OPTIONS.values() if option.section == "dht"]
 BOOTSTRAP_FIELDS = [*DHT_FIELDS, "run_id", "log_format", "verbose", "events"]
@@ -53,8 +53,8 @@ def bootstrap(ctx: click.Context, write_maddrs: Optional[Path], **params: Any) -
 
 
 def run_bootstrap(config: PeerConfig, write_maddrs: Optional[Path] = None) -> int:
-    from peer.events import EventLog, Exited
-    from peer.outputs import check_output_file
+    from peer.cli.outputs import check_output_file
+    from peer.telemetry.events import EventLog, Exited
 
     events = EventLog(config.logging.events)
     try:
@@ -69,11 +69,11 @@ def run_bootstrap(config: PeerConfig, write_maddrs: Optional[Path] = None) -> in
 
 def _serve(config: PeerConfig, write_maddrs: Optional[Path], events) -> int:
     from dht.node import DHTStartCancelled, DHTStartError, visible_maddrs
-    from peer import lifeline
-    from peer.builder import PeerBuilder
-    from peer.events import Ready
-    from peer.logs import setup_logging
-    from peer.signals import StopRequest, start_shared_memory_manager
+    from peer.process import lifeline
+    from peer.process.signals import StopRequest, start_shared_memory_manager
+    from peer.runtime.builder import PeerBuilder
+    from peer.telemetry.events import Ready
+    from peer.telemetry.logs import setup_logging
 
     lifeline.install()
     setup_logging(config.logging.log_format, config.logging.verbose)

@@ -4,7 +4,7 @@ Once a command is done, Python frees torch's and hivemind's modules object by ob
 after the last line is written (1.0 s of a lone 8 s `peer start`), that nothing needs. So the first exit
 handler registered, which runs last, ends the process at once: by then Python has joined every non-daemon
 thread, multiprocessing has stopped its children and logging has flushed. Only the handler must be
-registered before peer.cli is imported: the modules it imports register their own.
+registered before peer.cli.main is imported: the modules it imports register their own.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ _exit_code: Optional[int] = None
 def run() -> None:
     global _exit_code
     atexit.register(_exit_without_teardown)
-    from peer.cli import main  # noqa: E402 (after the handler: see the module's docstring)
+    from peer.cli.main import main  # noqa: E402 (after the handler: see the module's docstring)
 
     try:
         main()

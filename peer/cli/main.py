@@ -1,4 +1,4 @@
-"""The `peer` command line: parse, resolve the config once (peer/options.py), hand over.
+"""The `peer` command line: parse, resolve the config once (peer/cli/options.py), hand over.
 
 Errors from click itself (an unknown flag, a missing value) become one line and exit code 2.
 """
@@ -11,13 +11,13 @@ from typing import Any, List, Optional
 import click
 from click.core import ParameterSource
 
-from peer.bootstrap import bootstrap
+from peer.cli.bootstrap import bootstrap
+from peer.cli.monitor import monitor
+from peer.cli.options import SectionedCommand, config_options_for, resolve_config
+from peer.cli.preflight import check_before_start
+from peer.cli.status import status
 from peer.config import OPTIONS_BY_CLI
 from peer.exit_codes import ExitCode
-from peer.monitor import monitor
-from peer.options import SectionedCommand, config_options_for, resolve_config
-from peer.preflight import check_before_start
-from peer.status import status
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -28,7 +28,8 @@ def cli() -> None:
 
 @cli.command(cls=SectionedCommand)
 @config_options_for()
-@click.option("--inject-faults", hidden=True, default=None, help="Tests only: a FaultPlan as JSON (peer/faults.py).")
+@click.option("--inject-faults", hidden=True, default=None,
+              help="Tests only: a FaultPlan as JSON (peer/testing/faults.py).")
 @click.pass_context
 def start(ctx: click.Context, inject_faults: Optional[str], **params: Any) -> None:
     """Start a peer: join (or start) a swarm and train until stopped."""
@@ -38,7 +39,7 @@ def start(ctx: click.Context, inject_faults: Optional[str], **params: Any) -> No
         check_before_start(config)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    from peer.app import run_peer  # heavy imports (torch, hivemind) only once the config and the machine pass
+    from peer.cli.start import run_peer  # heavy imports (torch, hivemind) only once the config and the machine pass
 
     ctx.exit(run_peer(config, faults))
 
@@ -46,7 +47,7 @@ def start(ctx: click.Context, inject_faults: Optional[str], **params: Any) -> No
 def _fault_plan(value: str):
     import pydantic
 
-    from peer.faults import FaultPlan
+    from peer.testing.faults import FaultPlan
 
     try:
         return FaultPlan.model_validate_json(value)
@@ -70,7 +71,7 @@ def swarm(ctx: click.Context, num_peers: int, summary_dir: Optional[Path], gpus:
     """Start N peers on this machine: the first bootstraps, the rest join it; they wait for each other
     (--min-peers N) unless --min-peers says otherwise."""
     config = resolve_config(ctx, params)
-    from peer.swarm import run_local_swarm
+    from peer.cli.swarm import run_local_swarm
 
     chosen = _chosen_gpus(ctx, gpus, num_peers) if gpus is not None else []
     count, args = len(chosen) or num_peers, _start_args(ctx)
@@ -82,7 +83,7 @@ def swarm(ctx: click.Context, num_peers: int, summary_dir: Optional[Path], gpus:
 def _chosen_gpus(ctx: click.Context, spec: str, num_peers: int) -> List[int]:
     import torch  # only here: the rest of the command line stays fast
 
-    from peer.swarm import choose_gpus
+    from peer.cli.swarm import choose_gpus
 
     try:
         gpus = choose_gpus(spec, torch.cuda.device_count() if torch.cuda.is_available() else 0)

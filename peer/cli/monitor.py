@@ -14,10 +14,10 @@ from typing import Any
 
 import click
 
+from peer.cli.options import READER_WORDING, SectionedCommand, config_options_for, resolve_config
 from peer.exit_codes import ExitCode
-from peer.options import READER_WORDING, SectionedCommand, config_options_for, resolve_config
 
-logger = logging.getLogger("peer.monitor")
+logger = logging.getLogger("peer.cli.monitor")
 
 MONITOR_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "swarm_key", "target_batch_size", "metrics_port",
                   "metrics_host", "health_window_seconds", "log_format", "verbose"]
@@ -51,10 +51,10 @@ def run_monitor(config, refresh_seconds: float, timeout_seconds: float) -> int:
     from monitoring import HealthCheck, MetricsBindError, MetricsExporter
     from monitoring.swarm_metrics import SwarmCollector
     from monitoring.swarm_page import SwarmPage
-    from peer import lifeline
-    from peer.logs import setup_logging, silence_hivemind
-    from peer.signals import StopRequest
-    from peer.status import SwarmUnreachable, claim_filter, join_as_client, read_swarm
+    from peer.cli.status import SwarmUnreachable, claim_filter, join_as_client, read_swarm
+    from peer.process import lifeline
+    from peer.process.signals import StopRequest
+    from peer.telemetry.logs import setup_logging, silence_hivemind
 
     lifeline.install()
     setup_logging(config.logging.log_format, config.logging.verbose)

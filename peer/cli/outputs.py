@@ -2,7 +2,7 @@
 
 A peer that cannot write either would train, then lose its checkpoints or crash at exit. An unwritable
 path given at start is bad input (exit 2), said in one line with the fix. Once the peer runs, a disk
-that fills up or turns read-only only costs checkpoints (peer/trainer.py).
+that fills up or turns read-only only costs checkpoints (peer/runtime/trainer.py).
 """
 from __future__ import annotations
 

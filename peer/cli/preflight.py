@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dht.listen import check_listen_addresses
 from monitoring.exporter import MetricsBindError, check_can_listen
+from peer.cli.outputs import check_output_paths
 from peer.config import PeerConfig
-from peer.outputs import check_output_paths
 from peer.task_names import check_task_name
 
 

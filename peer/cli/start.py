@@ -1,4 +1,4 @@
-"""`peer start`: assemble a peer (peer/builder.py), train, and take it apart within a deadline.
+"""`peer start`: assemble a peer (peer/runtime/builder.py), train, and take it apart within a deadline.
 
 Exit codes (peer/exit_codes.py): 0 after a clean stop (max epochs, max seconds, a signal), 1
 when the peer could not run (swarm unreachable, --min-peers not met, a crash) or could not write
@@ -15,19 +15,19 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional
 
 from dht.node import DHTStartCancelled, DHTStartError, visible_maddrs
-from peer import lifeline
-from peer.builder import PeerBuilder
-from peer.checkpoint import CheckpointError
+from peer.checkpoint.store import CheckpointError
 from peer.config import PeerConfig
-from peer.device import describe_device, resolve_device, resolve_precision
-from peer.events import EventLog, Exited, Ready
 from peer.exit_codes import BadInput, ExitCode
-from peer.faults import FaultPlan
-from peer.logs import setup_logging
-from peer.manifest import ManifestUnreadable
-from peer.signals import StopRequest, start_shared_memory_manager
+from peer.process import lifeline
+from peer.process.signals import StopRequest, start_shared_memory_manager
+from peer.runtime.builder import PeerBuilder
+from peer.runtime.device import describe_device, resolve_device, resolve_precision
+from peer.runtime.manifest import ManifestUnreadable
+from peer.runtime.trainer import Trainer, TrainingDiverged
 from peer.tasks import load_task
-from peer.trainer import Trainer, TrainingDiverged
+from peer.telemetry.events import EventLog, Exited, Ready
+from peer.telemetry.logs import setup_logging
+from peer.testing.faults import FaultPlan
 from peer.version import __version__
 
 logger = logging.getLogger("peer")
@@ -84,7 +84,7 @@ def run_peer(config: PeerConfig, faults: Optional[FaultPlan] = None) -> int:
 
 def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerRun) -> tuple:
     try:
-        # the paths, addresses and --task name were checked before torch was imported (peer/preflight.py)
+        # the paths, addresses and --task name were checked before torch was imported (peer/cli/preflight.py)
         task = load_task(config.training.task, config.training.task_timeout_seconds)
         device = resolve_device(config.training.device)
         precision = resolve_precision(config.training.precision, device)
@@ -186,7 +186,7 @@ def finish(config: PeerConfig, run: PeerRun, stack: ExitStack) -> None:
         try:
             trainer.save_checkpoint()
         except Exception as e:
-            # Periodic checkpoints may fail and training goes on (peer/trainer.py); this one is the run's
+            # Periodic checkpoints may fail and training goes on (peer/runtime/trainer.py); this one is the run's
             # result, so losing it is the one checkpoint failure that makes the exit code non-zero.
             cause = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
             logger.error(f"final checkpoint failed: {cause}; the last checkpoint this peer wrote or resumed from is "

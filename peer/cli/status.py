@@ -18,9 +18,9 @@ from typing import Any, Dict, List, Optional
 
 import click
 
+from peer.cli.options import READER_WORDING, SectionedCommand, config_options_for, resolve_config
 from peer.config import PeerConfig
 from peer.exit_codes import ExitCode
-from peer.options import READER_WORDING, SectionedCommand, config_options_for, resolve_config
 
 STATUS_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "swarm_key", "target_batch_size", "verbose"]
 SHORT_ID_CHARS = 8
@@ -51,8 +51,8 @@ def status(ctx: click.Context, as_json: bool, watch: Optional[float], timeout_se
 
 def run_status(config: PeerConfig, as_json: bool, watch: Optional[float], timeout_seconds: float) -> int:
     from dht.node import quiet_dht_logs, shutdown_dht
-    from peer import lifeline
-    from peer.logs import setup_logging, silence_hivemind
+    from peer.process import lifeline
+    from peer.telemetry.logs import setup_logging, silence_hivemind
 
     lifeline.install()
     setup_logging("text", config.logging.verbose)
@@ -145,11 +145,11 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> 
 
 
 def claim_filter(config: PeerConfig):
-    """Which progress records status and the monitor believe: the same rules as every peer (averaging/claims.py).
+    """Which progress records status and the monitor believe: the same rules as every peer (averaging/swarm/claims.py).
     Keep one for the life of the command, so that a --watch or the monitor judges epochs against what it saw."""
-    from averaging.claims import ClaimFilter
-    from averaging.factory import progress_record_ttl_seconds
-    from averaging.progress import MIN_CLOCK_SKEW_SECONDS
+    from averaging.strategies.factory import progress_record_ttl_seconds
+    from averaging.swarm.claims import ClaimFilter
+    from averaging.swarm.progress import MIN_CLOCK_SKEW_SECONDS
 
     averaging = config.averaging
     skew = max(MIN_CLOCK_SKEW_SECONDS, averaging.seconds("matchmaking_seconds") or averaging.matchmaking_seconds_min)

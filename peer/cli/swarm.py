@@ -1,6 +1,6 @@
 """`peer swarm`: N peers on this machine, for trying things out and for tests.
 
-Built on the asyncio harness (peer/testing.py) that the tests and benchmarks use. Peer 0 starts the
+Built on the asyncio harness (peer/testing/) that the tests and benchmarks use. Peer 0 starts the
 swarm; the others are started once its events file says it is ready, and join it. Each peer is a
 `peer start` subprocess in its own session with its own checkpoint subdirectory, metrics port, events
 file and summary file; its output is prefixed with its name. With `--gpus`, one peer per GPU, each on
@@ -20,7 +20,7 @@ import click
 
 from peer.config import PeerConfig
 from peer.exit_codes import ExitCode
-from peer.testing import Peer, PeerFailed
+from peer.process.launcher import Peer, PeerFailed
 
 BOOTSTRAP_TIMEOUT_SECONDS = 180.0
 

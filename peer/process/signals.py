@@ -11,7 +11,7 @@ import signal
 import threading
 
 from peer.exit_codes import ExitCode
-from peer.lifeline import kill_descendants
+from peer.process.lifeline import kill_descendants
 
 logger = logging.getLogger(__name__)
 

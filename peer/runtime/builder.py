@@ -19,11 +19,11 @@ import hivemind
 import torch
 from prometheus_client import CollectorRegistry
 
-from averaging import hivemind_compat
+from averaging.adapter import hivemind_compat
 from averaging.api import Replica, SwarmOptimizer
-from averaging.compression import round_payload_bytes
-from averaging.factory import build_swarm_optimizer, progress_record_ttl_seconds
-from averaging.progress import clock_skew_allowed
+from averaging.codecs.compression import round_payload_bytes
+from averaging.strategies.factory import build_swarm_optimizer, progress_record_ttl_seconds
+from averaging.swarm.progress import clock_skew_allowed
 from dht.clock import ClockRecordPublisher
 from dht.identity import IdentityInUse
 from dht.keys import SwarmKeys
@@ -38,27 +38,28 @@ from monitoring import (
     PeerMetrics,
     PhaseTimer,
 )
-from peer.checkpoint import CheckpointStore
-from peer.checkpoint_lock import CheckpointDirLock
+from peer.checkpoint.lock import CheckpointDirLock
+from peer.checkpoint.store import CheckpointStore
 from peer.config import PeerConfig
-from peer.data import make_loader
-from peer.device import describe_device
-from peer.events import EventLog
 from peer.exit_codes import BadInput
-from peer.faults import FaultInjector, FaultPlan
-from peer.logs import silence_hivemind
-from peer.manifest import join_run, manifest_for
-from peer.observers import EventsObserver, MetricsObserver, Observers
-from peer.precision import MixedPrecision
-from peer.progress import ProgressDisplay
-from peer.resume import restore_model, restore_optimizer
-from peer.session import SwarmSession
-from peer.signals import StopRequest
-from peer.summary import PeerSummary
+from peer.process.signals import StopRequest
+from peer.runtime.device import describe_device
+from peer.runtime.manifest import join_run, manifest_for
+from peer.runtime.precision import MixedPrecision
+from peer.runtime.resume import restore_model, restore_optimizer
+from peer.runtime.session import SwarmSession
+from peer.runtime.trainer import RoundTally, Trainer, seed_from_run_id
 from peer.tasks import Task
 from peer.tasks.contract import TaskContractError, call_task, check_task
+from peer.tasks.data import make_loader
 from peer.tasks.registry import run_within
-from peer.trainer import RoundTally, Trainer, TrainingObserver, seed_from_run_id
+from peer.telemetry.console import ProgressDisplay
+from peer.telemetry.events import EventLog
+from peer.telemetry.logs import silence_hivemind
+from peer.telemetry.observers import EventsObserver, MetricsObserver, Observers
+from peer.telemetry.reports import TrainingObserver
+from peer.telemetry.summary import PeerSummary
+from peer.testing.faults import FaultInjector, FaultPlan
 from peer.version import __version__
 
 logger = logging.getLogger("peer")
@@ -132,7 +133,7 @@ class PeerBuilder:
         return display
 
     def lock_checkpoint_dir(self) -> None:
-        """Take --checkpoint-dir for this peer alone (peer/checkpoint_lock.py), until the stack closes; idempotent.
+        """Take --checkpoint-dir for this peer alone (peer/checkpoint/lock.py), until the stack closes; idempotent.
 
         `peer start` calls it first, so that a second peer on the same directory exits before it joins anything.
 
@@ -146,7 +147,7 @@ class PeerBuilder:
                  display: Optional[ProgressDisplay] = None) -> Trainer:
         """The model (resumed from a checkpoint if there is one), its swarm optimizer, the session and the loop.
 
-        `device` and `precision` are resolved and checked against this machine (peer/device.py)."""
+        `device` and `precision` are resolved and checked against this machine (peer/runtime/device.py)."""
         config = self.config
         summary = PeerSummary(run_id=config.training.run_id, task=task.name, peer_id=str(dht.peer_id),
                               device=str(device), precision=precision)

@@ -12,10 +12,10 @@ from typing import Optional
 import torch
 
 from averaging.api import SwarmOptimizer
-from peer.checkpoint import CheckpointStore, LoadedCheckpoint
+from peer.checkpoint.store import CheckpointStore, LoadedCheckpoint
 from peer.config import PeerConfig
-from peer.precision import MixedPrecision
-from peer.summary import PeerSummary
+from peer.runtime.precision import MixedPrecision
+from peer.telemetry.summary import PeerSummary
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@
   epoch can be shorter than that: each peer publishes when it saw the quorum, and all start
   START_SETTLE_SECONDS after the earliest of those times.
 - Catching up: before the first step, a peer behind the swarm downloads its state.
-- Leaving at --max-epochs (the rules are in peer/leaving.py): a peer whose last round failed
+- Leaving at --max-epochs (the rules are in peer/runtime/leaving.py): a peer whose last round failed
   downloads the final state from a peer that has it; then it stays while another peer may still
   need it.
 - Leaving for any reason: rounds still looking for a group a matchmaking window (plus a second for
@@ -29,10 +29,11 @@ from typing import Callable, Dict, Optional
 from hivemind.utils import get_dht_time
 
 from averaging.api import APART, SwarmOptimizer
-from averaging.open_rounds import RoundAbandoner
+from averaging.swarm.open_rounds import RoundAbandoner
 from dht.keys import SwarmKeys
 from dht.records import own_subkey, read_by_owner, store_own
-from peer.leaving import (
+from peer.process.signals import StopRequest
+from peer.runtime.leaving import (
     DONE,
     DOWNLOADING,
     Need,
@@ -46,7 +47,6 @@ from peer.leaving import (
     may_have_final_state,
     needs_of_others,
 )
-from peer.signals import StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class SwarmSession:
     def leave_at_last_epoch(self, last_round_outcome: Optional[str]) -> None:
         """End with the swarm's weights, and stay while a straggler may need ours.
 
-        Stays one matchmaking window, then while peer.leaving says another peer needs this one, for
+        Stays one matchmaking window, then while peer.runtime.leaving says another peer needs this one, for
         at most three averaging timeouts: a peer that died behind must not keep it forever. Once every
         other peer has said it is done, nobody is left to serve: it leaves at once.
         """
@@ -166,7 +166,7 @@ class SwarmSession:
 
         Waits up to `patience_seconds` for the others to say; then those silent at this epoch count as failed too,
         and it waits as long again for the smallest id's offer (or offers, if that is this peer). A peer that is
-        no candidate (peer.leaving.final_state_source) only waits for an offer."""
+        no candidate (peer.runtime.leaving.final_state_source) only waits for an offer."""
         source = self._final_state_source(epoch, time.monotonic() + patience_seconds, False, candidate)
         if source is Source.WAIT:
             source = self._final_state_source(epoch, time.monotonic() + patience_seconds, True, candidate)

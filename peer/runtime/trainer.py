@@ -2,14 +2,14 @@
 
 One step: data_wait -> h2d -> forward -> backward -> optimizer (which may average with
 the swarm or download state). Every phase is timed on this thread. The forward and loss run
-in the peer's precision (peer/precision.py); with fp16, a batch whose gradients overflowed
+in the peer's precision (peer/runtime/precision.py); with fp16, a batch whose gradients overflowed
 is skipped before the optimizer counts it. At each new global
 epoch the peer validates, reports, and every K epochs writes a checkpoint; a checkpoint
 that cannot be written (a full, read-only or deleted disk) is reported and retried at the
 next one, never a reason to stop. The loop stops at --max-epochs, --max-seconds, or a stop
 request, always after a whole step.
 
-The Trainer receives everything built (peer/builder.py assembles it): it knows the
+The Trainer receives everything built (peer/runtime/builder.py assembles it): it knows the
 SwarmOptimizer Protocol and the swarm session, never a hivemind object.
 """
 from __future__ import annotations
@@ -25,19 +25,20 @@ from typing import Callable, Optional
 import torch
 
 from averaging.api import AveragingHooks, RoundReport, SwarmOptimizer
-from averaging.compression import bytes_moved
+from averaging.codecs.compression import bytes_moved
 from monitoring import PhaseTimer
-from peer.checkpoint import CheckpointError, CheckpointStore
+from peer.checkpoint.store import CheckpointError, CheckpointStore
 from peer.config import PeerConfig
-from peer.data import endless, evaluate, move_to
-from peer.faults import FaultInjector
-from peer.precision import MixedPrecision
-from peer.progress import ProgressDisplay
-from peer.resume import training_state
-from peer.session import SwarmSession
-from peer.signals import StopRequest
-from peer.summary import PeerSummary
+from peer.process.signals import StopRequest
+from peer.runtime.precision import MixedPrecision
+from peer.runtime.resume import training_state
+from peer.runtime.session import SwarmSession
 from peer.tasks import Task
+from peer.tasks.data import endless, evaluate, move_to
+from peer.telemetry.console import ProgressDisplay
+from peer.telemetry.reports import EpochReport, TrainingObserver
+from peer.telemetry.summary import PeerSummary
+from peer.testing.faults import FaultInjector
 
 logger = logging.getLogger(__name__)
 
@@ -48,52 +49,6 @@ noise, twenty is divergence (twenty overflows have lowered the loss scale a mill
 
 class TrainingDiverged(RuntimeError):
     """The loss stays non-finite and the swarm cannot give this peer finite weights: stop, do not spin."""
-
-
-@dataclass(frozen=True)
-class EpochReport:
-    """A global epoch as this peer lived it."""
-
-    epoch: int
-    train_loss: Optional[float]
-    """The mean loss of this peer's batches; None if it trained none (it downloaded the state)."""
-    val_loss: Optional[float]
-    samples: int
-    seconds: float
-    swarm_samples_per_second: float
-    peers: int
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.samples / max(1e-9, self.seconds)
-
-
-class TrainingObserver:
-    """What the loop reports as it goes; the default does nothing. peer/observers.py connects it to the metrics
-    and the events file."""
-
-    def on_joined(self, epoch: int, peers: int, val_loss: Optional[float]) -> None:
-        """Training starts at `epoch` (after the start gate and any catching up)."""
-
-    def on_step(self, samples: int, loss: float) -> None: ...
-
-    def on_epoch(self, report: EpochReport) -> None: ...
-
-    def on_round(self, report: RoundReport, payload_bytes: int) -> None: ...
-
-    def on_state_loaded(self, epoch: int) -> None: ...
-
-    def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None: ...
-
-    def on_checkpoint(self, epoch: int, path: Optional[str], problem: str = "") -> None:
-        """A checkpoint was written to `path`, or not (path None): then `problem` is one line for a person."""
-
-    def on_dropped_contribution(self, reason: str) -> None: ...
-
-    def on_exclusion(self, peer_id: str) -> None: ...
-
-    def on_leaving(self, reason: str) -> None:
-        """The loop has ended, for `reason`; the peer checkpoints and leaves."""
 
 
 class RoundTally:
@@ -182,7 +137,7 @@ class Trainer:
         self.on_progress = on_progress  # heartbeat for /healthz
         self.batch_size = config.training.batch_size or task.batch_size
         self.precision = precision or MixedPrecision("fp32", device, model.parameters())
-        self.faults = faults or FaultInjector()  # tests only (peer/faults.py)
+        self.faults = faults or FaultInjector()  # tests only (peer/testing/faults.py)
         # GPU kernels run asynchronously: without a synchronize at phase boundaries their time would land
         # in whichever phase waits next. Only on CUDA, and only when the metrics are exported.
         measure_gpu = device.type == "cuda" and config.monitoring.metrics_port != "off"
@@ -239,7 +194,7 @@ class Trainer:
         leaves the earlier ones untouched, the swarm holds the current state, and the next checkpoint retries
         (recreating a deleted directory). So the loop goes on training and averaging, and says so once per
         streak of failures, not at every checkpoint; only a final checkpoint that fails makes the exit code
-        non-zero (peer/app.py).
+        non-zero (peer/cli/start.py).
         """
         try:
             self.save_checkpoint()

@@ -12,9 +12,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from averaging.compression import max_useful_powersgd_rank
-from peer.data import move_to
+from averaging.codecs.compression import max_useful_powersgd_rank
 from peer.tasks.base import Task
+from peer.tasks.data import move_to
 from peer.tasks.registry import TaskLoadError
 
 

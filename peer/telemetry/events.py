@@ -1,6 +1,6 @@
 """The events file (`--events PATH`): what a peer does, one JSON object per line, for programs.
 
-People read the log; programs read this: the asyncio harness (peer/testing.py), an operator's
+People read the log; programs read this: the asyncio harness (peer/testing/), an operator's
 scripts, a dashboard. Every line is one event with `v` (the schema version), `event` (its kind)
 and `time` (Unix seconds), then the fields of its kind below.
 

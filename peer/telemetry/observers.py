@@ -1,6 +1,6 @@
 """Where the training loop's reports go: the Prometheus metrics and the events file.
 
-The Trainer reports to one TrainingObserver (peer/trainer.py); the builder gives it an
+The Trainer reports to one TrainingObserver (peer/runtime/trainer.py); the builder gives it an
 `Observers` that hands every report to each of these in turn.
 """
 from __future__ import annotations
@@ -9,10 +9,10 @@ import time
 from typing import Callable, Dict, Optional
 
 from averaging.api import RoundReport
-from averaging.compression import bytes_moved
+from averaging.codecs.compression import bytes_moved
 from monitoring import BottleneckClassifier, HealthCheck, PeerMetrics
 from monitoring.classifier import BottleneckChange
-from peer.events import (
+from peer.telemetry.events import (
     BottleneckChanged,
     CheckpointWritten,
     EpochEnded,
@@ -23,7 +23,7 @@ from peer.events import (
     RoundEnded,
     StateDownloaded,
 )
-from peer.trainer import EpochReport, TrainingObserver
+from peer.telemetry.reports import EpochReport, TrainingObserver
 
 BottleneckListener = Callable[[BottleneckChange, Dict[str, float]], None]
 
@@ -84,7 +84,7 @@ class MetricsObserver(TrainingObserver):
 
 
 class EventsObserver(TrainingObserver):
-    """Writes the loop's reports to the events file (peer/events.py); steps are too many to be events."""
+    """Writes the loop's reports to the events file (peer/telemetry/events.py); steps are too many to be events."""
 
     def __init__(self, events: EventLog):
         self.events = events

@@ -35,7 +35,7 @@ class PeerSummary(BaseModel):
     """Batches skipped because their loss was NaN or Inf."""
     device: str = ""
     precision: str = "fp32"
-    """What the forward and loss ran in (peer/device.py resolves --precision auto)."""
+    """What the forward and loss ran in (peer/runtime/device.py resolves --precision auto)."""
     overflow_batches: int = 0
     """fp16 batches skipped because their gradients overflowed (the loss scaler lowered its scale)."""
     resumed_from: Optional[str] = None

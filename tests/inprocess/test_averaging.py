@@ -12,8 +12,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from averaging.api import AveragingHooks, Replica
 from averaging.config import AveragingConfig
-from averaging.diloco import DiLoCoOptimizer, outer_nesterov_step_
-from averaging.factory import build_swarm_optimizer
+from averaging.strategies.diloco import DiLoCoOptimizer, outer_nesterov_step_
+from averaging.strategies.factory import build_swarm_optimizer
 from dht.keys import SwarmKeys
 from tests.peers import wait_until
 

@@ -1,4 +1,5 @@
-"""The pacing in averaging/hivemind_compat.py: hivemind's matchmaking lookups and donor declarations are spaced out,
+"""The pacing in averaging/adapter/hivemind_compat.py:
+hivemind's matchmaking lookups and donor declarations are spaced out,
 and none is lost."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.key_manager import GroupKeyManager
 
-from averaging import hivemind_compat as pacing
+from averaging.adapter import hivemind_compat as pacing
 
 
 class FakeClock:
@@ -87,7 +88,7 @@ async def test_a_burst_of_state_updates_is_declared_a_few_times_and_the_newest_p
 
 def test_building_an_optimizer_installs_the_pacing(monkeypatch):
     from averaging.config import AveragingConfig
-    from averaging.factory import build_swarm_optimizer
+    from averaging.strategies.factory import build_swarm_optimizer
 
     monkeypatch.setattr(GroupKeyManager, "get_averagers", pacing._unpaced_get_averagers)
     monkeypatch.setattr(DecentralizedAverager, "_declare_for_download_periodically", None)

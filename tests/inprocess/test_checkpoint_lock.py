@@ -1,4 +1,4 @@
-"""One peer per --checkpoint-dir (peer/checkpoint_lock.py): a second one is refused with the first one's pid, a dead
+"""One peer per --checkpoint-dir (peer/checkpoint/lock.py): a second one is refused with the first one's pid, a dead
 one's lock is taken over, and a real second `peer start` exits 2 at once while the first trains on untouched."""
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from peer import checkpoint_lock
-from peer.builder import PeerBuilder
-from peer.checkpoint_lock import LOCK_FILE_NAME, CheckpointDirInUse, CheckpointDirLock
+from peer.checkpoint import lock as checkpoint_lock
+from peer.checkpoint.lock import LOCK_FILE_NAME, CheckpointDirInUse, CheckpointDirLock
 from peer.config import load_config
-from peer.events import Ready
 from peer.exit_codes import BadInput
-from peer.signals import StopRequest
+from peer.process.signals import StopRequest
+from peer.runtime.builder import PeerBuilder
+from peer.telemetry.events import Ready
 from peer.testing import Swarm, until
 from tests.peers import REPO_ROOT
 
@@ -33,7 +33,7 @@ HOLDER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from peer.checkpoint_lock import CheckpointDirLock
+    from peer.checkpoint.lock import CheckpointDirLock
 
     lock = CheckpointDirLock.acquire(Path(sys.argv[1]))
     child = os.fork()
@@ -126,7 +126,7 @@ def test_a_directory_where_no_lock_file_can_be_created_runs_unlocked_with_a_warn
         raise OSError(errno.EROFS if flags & os.O_CREAT else errno.ENOENT, "Read-only file system", str(path))
 
     monkeypatch.setattr(checkpoint_lock.os, "open", read_only)
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint_lock"):
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.lock"):
         lock = CheckpointDirLock.acquire(tmp_path)
     monkeypatch.undo()
 

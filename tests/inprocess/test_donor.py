@@ -1,4 +1,4 @@
-"""averaging/donor.py with real hivemind averagers: a peer that offers its state is the one others download,
+"""averaging/swarm/donor.py with real hivemind averagers: a peer that offers its state is the one others download,
 and a peer apart from the swarm is the last one anybody downloads."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import hivemind
 import pytest
 import torch
 
-from averaging import hivemind_compat
-from averaging.donor import (
+from averaging.adapter import hivemind_compat
+from averaging.swarm.donor import (
     APART_PENALTY,
     DONOR_BONUS,
     declare_apart,
@@ -18,8 +18,8 @@ from averaging.donor import (
     donor_view,
     offer_state,
 )
-from tests.peers import wait_until
 from tests.inprocess.test_averaging import start_dhts
+from tests.peers import wait_until
 
 EPOCH = 7
 

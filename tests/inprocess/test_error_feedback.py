@@ -1,4 +1,5 @@
-"""Error feedback (averaging/error_feedback.py): the math, the part container, checkpoints, and real averagers."""
+"""Error feedback (averaging/pipeline/error_feedback.py):
+the math, the part container, checkpoints, and real averagers."""
 from __future__ import annotations
 
 import asyncio
@@ -7,17 +8,18 @@ import hivemind
 import pytest
 import torch
 
-from averaging import error_feedback, hivemind_compat
+from averaging.adapter import hivemind_compat
 from averaging.api import Replica
-from averaging.compression import make_codec
+from averaging.codecs.compression import make_codec
 from averaging.config import AveragingConfig
-from averaging.error_feedback import ErrorFeedback, FeedbackPartContainer, encode_with_feedback
-from averaging.factory import build_swarm_optimizer
+from averaging.pipeline import error_feedback
+from averaging.pipeline.error_feedback import ErrorFeedback, FeedbackPartContainer, encode_with_feedback
+from averaging.strategies.factory import build_swarm_optimizer
 from dht.keys import SwarmKeys
-from tests.peers import wait_until
 from tests.inprocess.test_averaging import make_diloco, run_in_threads, start_dhts
 from tests.inprocess.test_lowbit import gradient_like, round_trip
 from tests.inprocess.test_robust_allreduce import average_all, averagers
+from tests.peers import wait_until
 
 
 def accumulated_error(codec, rounds: int, feedback: bool) -> float:

@@ -1,4 +1,4 @@
-"""averaging/hivemind_compat.py: one install() for every patch, and an upgrade of hivemind that changes code we
+"""averaging/adapter/hivemind_compat.py: one install() for every patch, and an upgrade of hivemind that changes code we
 copy or override fails with the list of places to re-read."""
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from hivemind.compression.quantization import Quantization
 from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from averaging import hivemind_compat
-from averaging.diloco import DiLoCoOptimizer
-from averaging.error_feedback import FeedbackPartContainer
-from averaging.state import GuardedStateAverager, ReportingStateAverager
-from averaging.sync import SyncOptimizer
+from averaging.adapter import hivemind_compat
+from averaging.pipeline.error_feedback import FeedbackPartContainer
+from averaging.strategies.diloco import DiLoCoOptimizer
+from averaging.strategies.state import GuardedStateAverager, ReportingStateAverager
+from averaging.strategies.sync import SyncOptimizer
 
 
 def test_the_installed_hivemind_matches_every_fingerprint():
@@ -32,7 +32,7 @@ def test_a_changed_upstream_function_is_named_with_the_module_that_depends_on_it
 
     monkeypatch.setattr(Optimizer, "_begin_averaging_gradients", _begin_averaging_gradients)
     assert hivemind_compat.changed_upstream() == [
-        "hivemind.optim.optimizer.Optimizer._begin_averaging_gradients (used by averaging/sync.py)"
+        "hivemind.optim.optimizer.Optimizer._begin_averaging_gradients (used by averaging/strategies/sync.py)"
     ]
 
 
@@ -40,7 +40,7 @@ def test_a_removed_upstream_function_is_named_too(monkeypatch):
     monkeypatch.delattr(TrainingStateAverager, "_apply_averaging_results_")
     changed = hivemind_compat.changed_upstream()
     assert changed == ["hivemind.optim.state_averager.TrainingStateAverager._apply_averaging_results_ "
-                       "(used by averaging/state.py)"]
+                       "(used by averaging/strategies/state.py)"]
 
 
 def test_install_refuses_another_version_whose_code_we_rely_on_changed(monkeypatch):

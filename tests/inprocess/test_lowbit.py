@@ -1,4 +1,4 @@
-"""The low-bit codecs written here (averaging/lowbit.py): round trips, packing, and decoding by hivemind."""
+"""The low-bit codecs written here (averaging/codecs/lowbit.py): round trips, packing, and decoding by hivemind."""
 from __future__ import annotations
 
 import math
@@ -7,9 +7,9 @@ import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 
-from averaging import hivemind_compat
-from averaging.compression import make_codec, payload_bytes
-from averaging.lowbit import BLOCK, CODEC_IDS, BlockwiseAbsmax, TopK
+from averaging.adapter import hivemind_compat
+from averaging.codecs.compression import make_codec, payload_bytes
+from averaging.codecs.lowbit import BLOCK, CODEC_IDS, BlockwiseAbsmax, TopK
 from tests.inprocess.test_robust_allreduce import average_all, averagers
 
 

@@ -20,7 +20,7 @@ from dht.records import (
     store_own,
 )
 from peer.config import load_config
-from peer.manifest import ManifestMismatch, ManifestUnreadable, differences, join_run, manifest_for
+from peer.runtime.manifest import ManifestMismatch, ManifestUnreadable, differences, join_run, manifest_for
 from tests.peers import wait_until
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]

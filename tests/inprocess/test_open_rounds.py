@@ -1,4 +1,4 @@
-"""averaging/open_rounds.py: a leaving peer drops rounds that found no group, and only those."""
+"""averaging/swarm/open_rounds.py: a leaving peer drops rounds that found no group, and only those."""
 from __future__ import annotations
 
 import time
@@ -9,8 +9,8 @@ import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
 
-from averaging import hivemind_compat
-from averaging.open_rounds import RoundAbandoner
+from averaging.adapter import hivemind_compat
+from averaging.swarm.open_rounds import RoundAbandoner
 from tests.peers import wait_until
 
 

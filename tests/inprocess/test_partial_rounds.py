@@ -1,8 +1,8 @@
 """Partial rounds: a reducer's part that arrives too late is seen, reported, and settled by a download.
 
 hivemind finishes such a round as if it had succeeded, with this peer's own values where the part
-is missing (averaging/completeness.py). The first test runs it with real averagers on 127.0.0.1;
-the others check what the training side does with it (averaging/rounds.py).
+is missing (averaging/pipeline/completeness.py). The first test runs it with real averagers on 127.0.0.1;
+the others check what the training side does with it (averaging/strategies/rounds.py).
 """
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
-from averaging import completeness, hivemind_compat
+from averaging.adapter import hivemind_compat
 from averaging.api import AveragingHooks, RoundReport, SwarmView
 from averaging.deadlines import AdaptiveDeadlines
-from averaging.donor import DonorView
-from averaging.rounds import DONOR_CHECK_SECONDS, FRESH_READ_SECONDS, SETTLE_SECONDS, RoundKeeper
+from averaging.pipeline import completeness
+from averaging.strategies.rounds import DONOR_CHECK_SECONDS, FRESH_READ_SECONDS, SETTLE_SECONDS, RoundKeeper
+from averaging.swarm.donor import DonorView
 from tests.inprocess.test_averaging import run_in_threads, start_dhts
 
 SIZE = 2 * 2**17  # hivemind gives each of the two reducers a half (smaller vectors go to one)

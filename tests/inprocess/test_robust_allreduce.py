@@ -8,10 +8,11 @@ import hivemind
 import pytest
 import torch
 
-from averaging import error_feedback, hivemind_compat
-from averaging.error_feedback import ErrorFeedback
-from averaging.robust import RobustPolicy
-from averaging.robust_allreduce import Defence, building
+from averaging.adapter import hivemind_compat
+from averaging.pipeline import error_feedback
+from averaging.pipeline.error_feedback import ErrorFeedback
+from averaging.pipeline.robust import RobustPolicy
+from averaging.pipeline.robust_allreduce import Defence, building
 from tests.inprocess.test_averaging import run_in_threads, start_dhts
 
 PEERS = 4

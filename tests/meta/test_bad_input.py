@@ -15,7 +15,7 @@ from typing import Callable, Dict, List
 
 import pytest
 
-from peer.cli import main
+from peer.cli.main import main
 from peer.config import OPTIONS_BY_CLI
 from tests.peers import REPO_ROOT
 
@@ -115,12 +115,12 @@ FLAG_CASES = [(name, index) for name, index in CASES if not OPTIONS_BY_CLI[name]
 @pytest.fixture(autouse=True)
 def never_start_a_peer(monkeypatch):
     """If a bad value were accepted, fail at once instead of training in the test process."""
-    import peer.app
+    import peer.cli.start
 
     def accepted(config, faults=None):
         raise AssertionError("the bad input was accepted")
 
-    monkeypatch.setattr(peer.app, "run_peer", accepted)
+    monkeypatch.setattr(peer.cli.start, "run_peer", accepted)
 
 
 def run_cli(capsys, argv: List[str]) -> tuple:

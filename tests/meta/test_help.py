@@ -8,9 +8,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from peer.cli import cli
+from peer.cli.main import cli
+from peer.cli.options import SHOWN_ORDER, TUNING
 from peer.config import OPTIONS_BY_CLI
-from peer.options import SHOWN_ORDER, TUNING
 
 SECTION = re.compile(r"^([A-Z][a-z ]+):$", re.M)
 
@@ -55,7 +55,7 @@ def test_commands_that_read_a_swarm_describe_initial_peers_as_such(command):
 def test_help_and_the_local_swarm_launcher_run_without_torch():
     """torch (with hivemind) costs seconds of CPU to import: `peer --help` and `peer swarm`, which only starts
     `peer start` processes, must not pay it (a fresh interpreter: this one imported torch long ago)."""
-    check = ("import sys; from peer.cli import cli; import peer.swarm, peer.testing; "
+    check = ("import sys; from peer.cli.main import cli; import peer.cli.swarm, peer.testing; "
              "print(sorted(name for name in ('torch', 'hivemind') if name in sys.modules))")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -67,7 +67,7 @@ def test_help_and_the_local_swarm_launcher_run_without_torch():
     (["--task", "bytelmm"], "did you mean 'bytelm'"),
 ])
 def test_a_typo_in_a_path_an_address_or_the_task_name_is_refused_before_torch_is_imported(tmp_path, flags, expected):
-    check = ("import sys; from peer.cli import main\n"
+    check = ("import sys; from peer.cli.main import main\n"
              "try:\n    main(sys.argv[1:])\n"
              "finally:\n    print(sorted(name for name in ('torch', 'hivemind') if name in sys.modules))")
     result = subprocess.run([sys.executable, "-c", check, "start", "--checkpoint-dir", str(tmp_path / "ckpt"), *flags],

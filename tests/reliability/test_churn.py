@@ -11,10 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from peer.checkpoint import CheckpointStore
-from peer.events import Joined
+from peer.checkpoint.store import CheckpointStore
+from peer.telemetry.events import Joined
 from peer.testing import Peer, Swarm, max_parameter_difference
-
 
 AVERAGING_TIMEOUT_SECONDS = 10
 

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from peer.events import CheckpointWritten
+from peer.telemetry.events import CheckpointWritten
 from peer.testing import Swarm, load_model_state, max_parameter_difference
 from tests.peers import free_port, tmpfs
-
 
 EPOCHS = 5
 FULL_FROM_EPOCH, FREED_AT_EPOCH = 2, 4  # the checkpoints of epochs 2 and 3 fail

@@ -12,14 +12,14 @@ from typing import Dict, NamedTuple, Optional
 import pytest
 import torch
 
-from peer.events import PeerExcluded
-from peer.faults import HOSTILE_PEERS, FaultPlan
+from peer.telemetry.events import PeerExcluded
 from peer.testing import Peer, Swarm, max_parameter_difference, until
+from peer.testing.faults import HOSTILE_PEERS, FaultPlan
 
 # A sign flip is told from an honest gradient only while honest gradients agree in direction: early in
 # training. Late, with single-batch noise, its cosine to the others' median nears 0 (as an honest one's does),
 # and it does little harm. So it goes first; NaN and x1e4 are caught at any stage.
-ATTACKS = ("sign-flipped", "nan", "scaled-1e4")  # peer/faults.py's HOSTILE_PEERS
+ATTACKS = ("sign-flipped", "nan", "scaled-1e4")  # peer/testing/faults.py's HOSTILE_PEERS
 HONEST = ("a", "b", "c")
 CLOCK_AHEAD = re.compile(r"this peer's clock is at least (\d+)s ahead of the clocks of 3 other peer")
 # alone, the three attacks are over by epoch 20 and the run ends about epoch 30; under suite load, when each

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.events import RoundEnded
+from peer.telemetry.events import RoundEnded
 from peer.testing import Swarm
 
 # every third batch has NaN gradients and a finite loss: hivemind discards a batch unchecked when the peer is

@@ -15,9 +15,8 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from dht.keys import SwarmKeys
-from peer.events import EpochEnded
+from peer.telemetry.events import EpochEnded
 from peer.testing import Peer, Swarm
-
 
 TARGET = "192"
 # the first peer trains alone for most of the test: on the built-in task it would take a whole core, while this

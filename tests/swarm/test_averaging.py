@@ -13,7 +13,6 @@ import pytest
 from peer.testing import FAST_ENV, Swarm, load_model_state, max_parameter_difference
 from tests.peers import FAST_SWARM_ARGS
 
-
 AUTO_DEADLINES = [
     "--matchmaking-seconds", "auto", "--matchmaking-seconds-min", "1", "--matchmaking-seconds-max", "3",
     "--averaging-timeout-seconds", "auto", "--averaging-timeout-seconds-min", "5",

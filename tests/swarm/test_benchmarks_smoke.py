@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ENVELOPE = {"benchmark", "mode", "command", "hardware", "started_at", "finished_at", "wall_seconds", "results",
             "notes", "summary"}

@@ -1,4 +1,4 @@
-"""The events file of real peers, read through the asyncio harness (peer/testing.py)."""
+"""The events file of real peers, read through the asyncio harness (peer/testing/)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.events import (
+from peer.telemetry.events import (
     CheckpointWritten,
     EpochEnded,
     Exited,

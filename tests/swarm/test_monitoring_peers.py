@@ -10,9 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from monitoring import CONTRACT_METRICS, CUDA_ONLY_METRICS
-from peer.events import BottleneckChanged
+from peer.telemetry.events import BottleneckChanged
 from peer.testing import Peer, Swarm, until
-
 
 
 def get(port: int, path: str) -> Tuple[int, str]:

@@ -15,7 +15,6 @@ import pytest
 from peer.testing import FAST_ARGS, FAST_ENV
 from tests.peers import REPO_ROOT
 
-
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 LOG_RECORD = re.compile(r"\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|WARN|ERROR) ")
 

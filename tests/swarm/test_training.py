@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from peer.events import Exited, RoundEnded, StateDownloaded, read_events
+from peer.telemetry.events import Exited, RoundEnded, StateDownloaded, read_events
 from peer.testing import FAST_ENV, Swarm, load_model_state, max_parameter_difference
 from tests.peers import FAST_SWARM_ARGS
-
 
 
 def read_summary(path: Path) -> dict:

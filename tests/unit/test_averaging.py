@@ -5,8 +5,8 @@ import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
-from averaging import hivemind_compat
-from averaging.compression import make_codec, payload_bytes, powersgd_factors, round_payload_bytes
+from averaging.adapter import hivemind_compat
+from averaging.codecs.compression import make_codec, payload_bytes, powersgd_factors, round_payload_bytes
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines
 from peer.config import ConfigError, load_config

@@ -1,4 +1,4 @@
-"""Tests for peer/checkpoint.py: round trips, retention, corruption, crashes, full disks."""
+"""Tests for peer/checkpoint/store.py: round trips, retention, corruption, crashes, full disks."""
 from __future__ import annotations
 
 import errno
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from benchmarks.common import child_env
-from peer import checkpoint as checkpoint_module
-from peer.checkpoint import HEADER_SIZE_BYTES, CheckpointError, CheckpointStore
+from peer.checkpoint import store as checkpoint_module
+from peer.checkpoint.store import HEADER_SIZE_BYTES, CheckpointError, CheckpointStore
 
 CHILD_TIMEOUT_SECONDS = 120
 
@@ -162,7 +162,7 @@ def test_truncated_newest_is_skipped_with_warning(tmp_path, caplog):
     data = second.read_bytes()
     second.write_bytes(data[: len(data) - 100])
 
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
         loaded = store.load_latest()
 
     assert loaded.path == first
@@ -174,7 +174,7 @@ def test_truncated_newest_is_skipped_with_warning(tmp_path, caplog):
 def test_file_shorter_than_header_is_skipped(tmp_path, caplog):
     store, first, second = save_two(tmp_path)
     second.write_bytes(second.read_bytes()[:10])
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
         assert store.load_latest().path == first
     assert any("header" in m for m in warnings_about(caplog, second))
 
@@ -185,7 +185,7 @@ def test_flipped_byte_in_payload_is_skipped_with_warning(tmp_path, caplog):
     data[HEADER_SIZE_BYTES + (len(data) - HEADER_SIZE_BYTES) // 2] ^= 0x01
     second.write_bytes(bytes(data))
 
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
         loaded = store.load_latest()
 
     assert loaded.path == first
@@ -198,7 +198,7 @@ def test_trailing_bytes_after_payload_are_detected(tmp_path, caplog):
     store, first, second = save_two(tmp_path)
     with open(second, "ab") as file:
         file.write(b"\0" * 8)
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
         assert store.load_latest().path == first
     assert any("longer than" in m for m in warnings_about(caplog, second))
 
@@ -208,7 +208,7 @@ def test_garbage_file_is_skipped_with_warning(tmp_path, caplog):
     garbage = tmp_path / "checkpoint-000003-epoch000003.pt"
     garbage.write_bytes(os.urandom(4096))
 
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
         loaded = store.load_latest()
 
     assert loaded.path == second
@@ -221,7 +221,7 @@ def test_all_checkpoints_damaged_loads_none(tmp_path, caplog):
     store, first, second = save_two(tmp_path)
     first.write_bytes(b"")
     second.write_bytes(b"x" * 1000)
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
         assert store.load_latest() is None
     assert warnings_about(caplog, first) and warnings_about(caplog, second)
 
@@ -231,7 +231,7 @@ KILLED_WRITER = textwrap.dedent(
     import os, signal, sys
     from pathlib import Path
     import torch
-    from peer.checkpoint import CheckpointStore
+    from peer.checkpoint.store import CheckpointStore
 
     store = CheckpointStore(Path(sys.argv[1]))
 
@@ -355,7 +355,7 @@ def test_save_creates_a_deleted_directory_again(tmp_path, caplog):
     store.save(small_state(1), global_epoch=1)
     shutil.rmtree(tmp_path / "a")
 
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
         path = store.save(small_state(2), global_epoch=2)
 
     assert path.name == "checkpoint-000001-epoch000002.pt" and store.list() == [path]

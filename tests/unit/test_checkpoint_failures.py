@@ -3,7 +3,7 @@ streak of failures, counts them (peer_checkpoint_failures_total), turns /healthz
 again; only a failing final checkpoint makes `peer start`'s exit code non-zero.
 
 The disk breaks and heals at chosen epochs (a wrapper around the store's save), on the Trainer rig of
-tests/unit/test_trainer.py, with the real metrics, health check and exporter that peer/builder.py wires.
+tests/unit/test_trainer.py, with the real metrics, health check and exporter that peer/runtime/builder.py wires.
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from monitoring import BottleneckClassifier, HealthCheck, MetricsExporter, PeerMetrics
-from peer.app import PeerRun, finish
-from peer.builder import MetricsObserver
+from peer.cli.outputs import check_output_paths
+from peer.cli.start import PeerRun, finish
 from peer.exit_codes import ExitCode
-from peer.outputs import check_output_paths
+from peer.runtime.builder import MetricsObserver
 from tests.peers import tmpfs
 from tests.unit.test_trainer import BATCH, TARGET, Rig, make_rig
 

@@ -1,4 +1,4 @@
-"""averaging/claims.py and the download backoff: a forged progress record cannot freeze a swarm
+"""averaging/swarm/claims.py and the download backoff: a forged progress record cannot freeze a swarm
 (tests/reliability/test_untrusted.py shows it with real peers)."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from averaging.api import AveragingHooks
-from averaging.claims import EPOCH_LEAD, MAX_TARGETS_OF_SAMPLES, ClaimFilter
 from averaging.deadlines import AdaptiveDeadlines
-from averaging.rounds import RoundKeeper
+from averaging.strategies.rounds import RoundKeeper
+from averaging.swarm.claims import EPOCH_LEAD, MAX_TARGETS_OF_SAMPLES, ClaimFilter
 
 TARGET = 100
 NOW = 1000.0

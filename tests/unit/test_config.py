@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 import peer.config
-from peer.cli import main
+from peer.cli.main import main
 from peer.config import OPTIONS, OPTIONS_BY_CLI, ConfigError, PeerConfig, index_options, load_config
 from tests.peers import REPO_ROOT
 
@@ -216,10 +216,10 @@ def test_installed_entry_point_reports_bad_input_without_traceback():
 
 
 def test_the_entry_point_exits_without_teardown_yet_loses_no_output_and_keeps_its_code(tmp_path):
-    """peer/entry.py ends the process from its last exit handler: what was printed (a pipe's buffer, the logging
+    """peer/cli/entry.py ends the process from its last exit handler: what was printed (a pipe's buffer, the logging
     module's), the exit code, and the other exit handlers' work (multiprocessing's) must all survive that."""
     script = tmp_path / "exits.py"
-    script.write_text(  # a stand-in for peer.cli, whose imports register their exit handlers after entry.py's
+    script.write_text(  # a stand-in for peer.cli.main, whose imports register their exit handlers after entry.py's
         "import sys, types\n"
         "def main(argv=None):\n"
         "    import atexit, logging, multiprocessing, time\n"
@@ -230,8 +230,8 @@ def test_the_entry_point_exits_without_teardown_yet_loses_no_output_and_keeps_it
         "    logging.basicConfig(stream=sys.stderr)\n"
         "    logging.getLogger('x').warning('logged last')\n"
         "    sys.exit(3)\n"
-        "sys.modules['peer.cli'] = types.SimpleNamespace(main=main)\n"
-        "from peer import entry\n"
+        "sys.modules['peer.cli.main'] = types.SimpleNamespace(main=main)\n"
+        "from peer.cli import entry\n"
         "entry.run()\n"
     )
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
@@ -242,7 +242,7 @@ def test_the_entry_point_exits_without_teardown_yet_loses_no_output_and_keeps_it
 
 
 def test_only_the_peer_that_starts_a_swarm_prints_how_to_join_it():
-    from peer.app import join_hint
+    from peer.cli.start import join_hint
 
     lan, loopback = f"/ip4/192.168.1.5/tcp/40123/p2p/{PEER_ID}", f"/ip4/127.0.0.1/tcp/40123/p2p/{PEER_ID}"
     starter = load_config(flags={"task": "bytelm-tiny"})

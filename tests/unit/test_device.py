@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from peer.cli import main
+from peer.cli.main import main
+from peer.cli.swarm import choose_gpus, peer_args
 from peer.config import load_config
-from peer.device import DeviceUnavailable, resolve_device, resolve_precision
-from peer.precision import MixedPrecision
-from peer.swarm import choose_gpus, peer_args
+from peer.runtime.device import DeviceUnavailable, resolve_device, resolve_precision
+from peer.runtime.precision import MixedPrecision
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from dht.identity import ensure_identity
-from peer.cli import main
+from peer.cli.main import main
 from peer.config import ConfigError, load_config
 
 PEER_ID = "QmZurcthsZnDEsqwnnY67QJW6mAXMS3VayxHZMFQ6QHNKX"

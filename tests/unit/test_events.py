@@ -1,4 +1,4 @@
-"""The events file (peer/events.py): one whole JSON object per line, whatever happens to the writer."""
+"""The events file (peer/telemetry/events.py): one whole JSON object per line, whatever happens to the writer."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.events import (
+from peer.telemetry.events import (
     SCHEMA_VERSION,
     EpochEnded,
     EventLog,

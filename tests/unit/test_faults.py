@@ -1,4 +1,4 @@
-"""The fault injector (peer/faults.py): each fault happens where and when the plan says, once."""
+"""The fault injector (peer/testing/faults.py): each fault happens where and when the plan says, once."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from peer.faults import HOSTILE_PEERS, FaultInjector, FaultPlan, InjectedFault
+from peer.testing.faults import HOSTILE_PEERS, FaultInjector, FaultPlan, InjectedFault
 
 
 def test_without_a_plan_nothing_happens():

@@ -7,7 +7,7 @@ import torch
 
 from averaging.api import Replica
 from averaging.config import AveragingConfig
-from averaging.factory import build_swarm_optimizer
+from averaging.strategies.factory import build_swarm_optimizer
 from dht.keys import SwarmKeys
 
 

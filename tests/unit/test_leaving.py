@@ -1,7 +1,7 @@
-"""Who a peer leaving at --max-epochs still has to wait for (peer.leaving)."""
+"""Who a peer leaving at --max-epochs still has to wait for (peer.runtime.leaving)."""
 from __future__ import annotations
 
-from peer.leaving import (
+from peer.runtime.leaving import (
     DONE,
     DOWNLOADING,
     Need,

@@ -6,10 +6,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from averaging.api import RoundReport
-from averaging.compression import round_payload_bytes
+from averaging.codecs.compression import round_payload_bytes
 from monitoring import BottleneckClassifier, HealthCheck, PeerMetrics
-from peer.builder import MetricsObserver
 from peer.config import load_config
+from peer.runtime.builder import MetricsObserver
 from peer.tasks import load_task
 
 

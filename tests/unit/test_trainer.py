@@ -19,19 +19,16 @@ import pytest
 import torch
 from torch import nn
 
-import peer.trainer as trainer_module
+import peer.runtime.trainer as trainer_module
 from averaging.api import AveragingHooks, RoundReport, SwarmOptimizer, SwarmView
 from averaging.deadlines import Deadlines
 from monitoring import PhaseTimer
-from peer.checkpoint import CheckpointStore
+from peer.checkpoint.store import CheckpointStore
 from peer.config import PeerConfig, load_config
-from peer.data import make_loader
-from peer.precision import MixedPrecision
-from peer.resume import restore_model, restore_optimizer
-from peer.signals import StopRequest
-from peer.summary import PeerSummary
-from peer.tasks import Task, load_task
-from peer.trainer import (
+from peer.process.signals import StopRequest
+from peer.runtime.precision import MixedPrecision
+from peer.runtime.resume import restore_model, restore_optimizer
+from peer.runtime.trainer import (
     NONFINITE_LOSS_LIMIT,
     EpochReport,
     RoundTally,
@@ -39,6 +36,9 @@ from peer.trainer import (
     TrainingDiverged,
     TrainingObserver,
 )
+from peer.tasks import Task, load_task
+from peer.tasks.data import make_loader
+from peer.telemetry.summary import PeerSummary
 from tests.tasks_for_tests import FEATURES, SyntheticDataset, mse_loss, sgd
 
 BATCH = 8
@@ -197,7 +197,7 @@ class ScriptedLoss:
 
     def __call__(self, model: nn.Module, batch) -> torch.Tensor:
         loss = mse_loss(model, batch)
-        if not torch.is_grad_enabled():  # peer.data.evaluate validates under no_grad
+        if not torch.is_grad_enabled():  # peer.tasks.data.evaluate validates under no_grad
             return loss
         assert self.batches < RUNAWAY, "the training loop did not stop"
         self.before_batch()
@@ -218,7 +218,7 @@ def mlp_task(loss_fn: Callable = mse_loss) -> Task:
     )
 
 
-# --- the rig: what peer/builder.py assembles, with the fakes --------------------------------------------------------
+# --- the rig: what peer/runtime/builder.py assembles, with the fakes ------------------------------------------
 
 
 @dataclass
@@ -248,7 +248,8 @@ def make_config(tmp_path: Path, task: Task, **flags) -> PeerConfig:
 def make_rig(tmp_path: Path, task: Optional[Task] = None, *, peers: int = 1, outcomes: Tuple[str, ...] = ("ok",),
              seed: int = 0, resume: bool = False, precision: Optional[Callable[[nn.Module], MixedPrecision]] = None,
              **flags) -> Rig:
-    """A Trainer over task (default: mlp_task()) and a FakeOptimizer; resume=True restores as peer/builder.py does;
+    """A Trainer over task (default: mlp_task()) and a FakeOptimizer; resume=True restores as
+    peer/runtime/builder.py does;
     precision(model) builds the loop's MixedPrecision (default: fp32)."""
     task = task or mlp_task()
     config = make_config(tmp_path, task, **flags)

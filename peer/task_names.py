@@ -1,4 +1,4 @@
-"""The form of a --task name, checked without importing torch (peer/preflight.py) and again when the task loads.
+"""The form of a --task name, checked without importing torch (peer/cli/preflight.py) and again when the task loads.
 
 A built-in name, or `module:function` whose top-level module can be found from here. Importing the
 module and building the task (peer/tasks/registry.py) can fail in more ways; a typo is caught here.

@@ -1,0 +1,56 @@
+"""What the training loop (peer/runtime/trainer.py) reports, and the observer interface it reports to.
+
+Kept apart from the loop so that telemetry (observers.py) depends on this small contract, not on the loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from averaging.api import RoundReport
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """A global epoch as this peer lived it."""
+
+    epoch: int
+    train_loss: Optional[float]
+    """The mean loss of this peer's batches; None if it trained none (it downloaded the state)."""
+    val_loss: Optional[float]
+    samples: int
+    seconds: float
+    swarm_samples_per_second: float
+    peers: int
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / max(1e-9, self.seconds)
+
+
+class TrainingObserver:
+    """What the loop reports as it goes; the default does nothing. peer/telemetry/observers.py connects it to the
+    metrics and the events file."""
+
+    def on_joined(self, epoch: int, peers: int, val_loss: Optional[float]) -> None:
+        """Training starts at `epoch` (after the start gate and any catching up)."""
+
+    def on_step(self, samples: int, loss: float) -> None: ...
+
+    def on_epoch(self, report: EpochReport) -> None: ...
+
+    def on_round(self, report: RoundReport, payload_bytes: int) -> None: ...
+
+    def on_state_loaded(self, epoch: int) -> None: ...
+
+    def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None: ...
+
+    def on_checkpoint(self, epoch: int, path: Optional[str], problem: str = "") -> None:
+        """A checkpoint was written to `path`, or not (path None): then `problem` is one line for a person."""
+
+    def on_dropped_contribution(self, reason: str) -> None: ...
+
+    def on_exclusion(self, peer_id: str) -> None: ...
+
+    def on_leaving(self, reason: str) -> None:
+        """The loop has ended, for `reason`; the peer checkpoints and leaves."""
