@@ -36,3 +36,11 @@ def wait_for(chrome, condition: Callable[[], bool], timeout: float = 20.0) -> No
     from selenium.webdriver.support.ui import WebDriverWait
 
     WebDriverWait(chrome, timeout, poll_frequency=0.2).until(lambda _: condition())
+
+
+def peer_rows(chrome) -> list:
+    """Each peer row's cells as text: peer, device, epoch, samples/s, val loss, time split, bottleneck, last seen.
+    Read in one script: the page rebuilds its rows on every refresh, so element handles go stale."""
+    return chrome.execute_script(
+        "return [...document.querySelectorAll('#peers tbody tr')].map("
+        "row => [row.dataset.peer, ...[...row.cells].slice(1).map(cell => cell.textContent)])")

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Dict, List
 
 import pytest
+import yaml
+
+from tests.peers import REPO_ROOT
+from tests.system_tools import system_tool
 
 DURATIONS = Path(__file__).with_name("durations.json")
 # a test that durations.json does not list (one added since, or under a second): a multi-peer test takes tens of
@@ -120,3 +125,29 @@ class DurationRecorder:
         listed = {nodeid: round(seconds, 1) for nodeid, seconds in sorted(self.seconds.items())
                   if seconds >= LISTED_FROM_SECONDS}
         self.path.write_text(json.dumps(listed, indent=1) + "\n")
+
+
+# --- the system tools that check deploy/ (tests/meta/test_deploy.py, tests/swarm/test_deploy_live.py)
+
+@pytest.fixture(scope="session")
+def docker_compose() -> str:
+    return system_tool("docker-compose", "docker-compose")
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    return system_tool("promtool", "prometheus")
+
+
+@pytest.fixture(scope="session")
+def prometheus_binary() -> str:
+    return system_tool("prometheus", "prometheus")
+
+
+@pytest.fixture(scope="module")
+def compose(docker_compose: str) -> Dict:
+    """The compose file as docker-compose resolves it (anchors merged, paths absolute)."""
+    result = subprocess.run([docker_compose, "-f", str(REPO_ROOT / "deploy" / "docker-compose.yml"), "config"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)

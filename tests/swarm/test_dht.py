@@ -12,8 +12,8 @@ from typing import List
 import pytest
 
 from peer.testing import Swarm, until
+from tests.http import get
 from tests.peers import REPO_ROOT, free_port
-from tests.swarm.test_monitoring_peers import get
 
 UNREACHABLE = "/ip4/127.0.0.1/tcp/1/p2p/QmZurcthsZnDEsqwnnY67QJW6mAXMS3VayxHZMFQ6QHNKX"
 PYTHON_START_SECONDS = 30.0  # importing torch and hivemind on a busy 2-core machine

@@ -1,54 +1,17 @@
-"""The swarm monitor: per-peer series from DHT records, removed when a peer leaves."""
+"""The swarm monitor on a real swarm: per-peer series from DHT records, removed when a peer leaves, on /metrics and
+the live page (the collector alone: tests/unit/test_swarm_collector.py)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from monitoring.phases import CATEGORIES
-from monitoring.swarm_metrics import SWARM_METRICS, SwarmCollector
 from peer.testing import Swarm, until
-from tests.browser import headless_chromium, wait_for
+from tests.browser import headless_chromium, peer_rows, wait_for
+from tests.http import get, scrape, value
 from tests.peers import free_port
-from tests.swarm.test_monitoring_peers import get, scrape, value
-
-
-def snapshot(*short_ids: str) -> dict:
-    peers = [
-        {"short_id": short_id, "device": "cpu", "version": "0.1.0", "client_mode": False, "samples_per_second": 10.0,
-         "epoch": 3, "bottleneck": "compute", "fractions": {"compute": 0.8, "other": 0.2}, "last_seen_seconds": 1.0}
-        for short_id in short_ids
-    ]
-    swarm = {"peers": len(peers), "global_epoch": 3, "samples_per_second": 10.0 * len(peers), "progress": 0.25,
-             "eta_next_epoch_seconds": None}
-    return {"swarm": swarm, "peers": peers}
-
-
-def test_collector_renders_the_latest_snapshot_only():
-    registry = CollectorRegistry()
-    collector = SwarmCollector(clock=lambda: 100.0)
-    registry.register(collector)
-    assert generate_latest(registry) == b""  # nothing before the first read of the swarm
-
-    collector.update(snapshot("aaaaaaaa", "bbbbbbbb"))
-    assert registry.get_sample_value("swarm_peers") == 2
-    assert registry.get_sample_value("swarm_peer_bottleneck", {"peer": "aaaaaaaa", "category": "compute"}) == 1
-    assert registry.get_sample_value("swarm_peer_category_fraction",
-                                     {"peer": "bbbbbbbb", "category": "preprocessing"}) == 0
-    exposed = generate_latest(registry).decode()
-    assert all(name in exposed for name in SWARM_METRICS)
-
-    collector.update(snapshot("aaaaaaaa"))
-    assert registry.get_sample_value("swarm_peers") == 1
-    assert registry.get_sample_value("swarm_peer_global_epoch", {"peer": "bbbbbbbb"}) is None
-    assert registry.get_sample_value("swarm_peer_global_epoch", {"peer": "aaaaaaaa"}) == 3
-    assert registry.get_sample_value("swarm_global_epoch") == 3
-
-    collector.update(snapshot())  # the last peer left: a swarm with no peer has no epoch (not epoch 0)
-    assert registry.get_sample_value("swarm_peers") == 0
-    assert registry.get_sample_value("swarm_global_epoch") is None
 
 
 @pytest.mark.timeout(180)
@@ -101,14 +64,6 @@ async def test_monitor_follows_peers_joining_and_leaving(tmp_path):
 
 def shown_peers(chrome) -> set:
     return {cells[0] for cells in peer_rows(chrome)}
-
-
-def peer_rows(chrome) -> list:
-    """Each peer row's cells as text: peer, device, epoch, samples/s, val loss, time split, bottleneck, last seen.
-    Read in one script: the page rebuilds its rows on every refresh, so element handles go stale."""
-    return chrome.execute_script(
-        "return [...document.querySelectorAll('#peers tbody tr')].map("
-        "row => [row.dataset.peer, ...[...row.cells].slice(1).map(cell => cell.textContent)])")
 
 
 def screenshot_path(tmp_path: Path) -> Path:

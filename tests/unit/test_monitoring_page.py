@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 
 from monitoring import MetricsExporter
 from monitoring.swarm_page import SwarmPage
-from tests.browser import headless_chromium, wait_for
-from tests.swarm.test_monitoring_peers import get
-from tests.swarm.test_monitoring_swarm import peer_rows, snapshot
+from tests.browser import headless_chromium, peer_rows, wait_for
+from tests.http import get
+from tests.unit.test_swarm_collector import snapshot
 
 
 class Clock:
