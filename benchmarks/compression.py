@@ -82,9 +82,9 @@ def round_trip_errors(grads: List, codec) -> Dict[str, float]:
     import torch
     from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
-    from averaging.adapter import hivemind_compat
+    from averaging import adapter
 
-    hivemind_compat.install()  # the numpy 2 fix the 8-bit codecs need to decode, as in every peer
+    adapter.install()  # the numpy 2 fix the 8-bit codecs need to decode, as in every peer
     rel, worst = [], 0.0
     for sample in grads:
         original = torch.cat([g.flatten() for g in sample])

@@ -1,0 +1,28 @@
+"""The hivemind adapter: the only door to hivemind's internals.
+
+Every patch, override and copy of hivemind code is here, each in a small module named for what it changes,
+and everything it relies on is fingerprinted (upstream.py), so that an upgrade of hivemind fails loudly.
+Nothing outside this package imports hivemind's private modules or touches private attributes of hivemind
+objects (import-linter and tests/meta/test_layout.py check it). `install()` puts the patches in place; it
+runs before any averager process forks.
+
+- upstream.py: the pinned version, the fingerprints of every upstream function we rely on, `changed_upstream()`;
+- install.py: `install()`, which checks the version and applies every module's PATCHES;
+- numpy2.py: upstream's 8-bit Quantization.extract, fixed for numpy 2;
+- pacing.py: matchmaking lookups and state-donor declarations spaced out (200 DHT requests a second to 20);
+- recorded_steps.py: every round started in this process is recorded (`open_rounds`), so that a leaving peer
+  can drop the rounds nobody will join;
+- progress_filter.py: a progress tracker reads only the progress records its ClaimFilter believes;
+- codec_registry.py: our codecs' wire ids, taught to hivemind's decoder;
+- allreduce.py: the round pipeline (averaging/pipeline/) driven inside each averager's all-reduce;
+- reducer.py: the robust reducer and all-reduce runner (hivemind's, screening each sender's part);
+- partition.py: error feedback's part container (hivemind's, over tensors plus residuals);
+- refusals.py: excluded peers refused in matchmaking and state sharing;
+- optimizer.py, state_averager.py: hivemind's Optimizer and TrainingStateAverager, with the overrides our
+  strategies need (averaging/strategies/).
+"""
+from averaging.adapter.install import install
+from averaging.adapter.recorded_steps import open_rounds
+from averaging.adapter.upstream import PINNED_VERSION, UPSTREAM, HivemindIncompatible, changed_upstream
+
+__all__ = ["PINNED_VERSION", "UPSTREAM", "HivemindIncompatible", "changed_upstream", "install", "open_rounds"]

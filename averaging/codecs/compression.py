@@ -5,7 +5,7 @@
 serialized buffers, as hivemind sends them), so that byte counters and the README's
 arithmetic use one number. `round_payload_bytes` says which tensors one averaging round
 of each strategy sends, and what the replies to them weigh. This module must not start anything
-or touch the network. The 8-bit codecs decode only with averaging/adapter/hivemind_compat.py installed
+or touch the network. The 8-bit codecs decode only with the hivemind adapter (averaging/adapter/) installed
 (a numpy 2 fix).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 They implement hivemind's CompressionBase, so an averager sends them like its own codecs.
 hivemind picks the decoder by the message's compression type, an enum with only its own six
-values: ours use ids above them (CODEC_IDS), which averaging/adapter/hivemind_compat.py registers.
+values: ours use ids above them (CODEC_IDS), which averaging/adapter/ registers.
 
 - int8 / int4: the flattened tensor is cut into blocks of BLOCK values; each block is sent as
   its absolute maximum (fp32) and its values rounded to the nearest of 2*127+1 (int8) or 2*7+1

@@ -6,12 +6,13 @@ round had succeeded. The peers that did receive the part hold the average there,
 partial round this peer is apart from the swarm. Gradient and pseudo-gradient averaging never bring
 peers back together by themselves: such a peer must download the state of one whose round was whole.
 
-The averager's process runs the all-reduce and the training process reads its outcome, so each
-averager carries a value in shared memory: `attach` creates it before the averager forks, the
-averager's process writes the fraction of values that never arrived after every all-reduce it
-runs (`record`), and the training process reads it once the round's result is in (`missing_fraction`).
-Rounds of one averager run one at a time, so the value read after a round's result is that round's.
-A round may run several all-reduces in one group (PowerSGD runs two): it counts as partial if any was.
+The averager's process runs the all-reduce and the training process reads its outcome, so every averager
+carries a Completeness stage (averaging/pipeline/round_pipeline.py) with a value in shared memory: it is allocated
+before the averager forks (`prepare`), the averager's process writes the fraction of values that never
+arrived after every all-reduce it runs (`finish`), and the training process reads it once the round's result
+is in (`missing_fraction`). Rounds of one averager run one at a time, so the value read after a round's result
+is that round's. A round may run several all-reduces in one group (PowerSGD runs two): it counts as partial
+if any was.
 """
 from __future__ import annotations
 
@@ -19,32 +20,37 @@ import ctypes
 import multiprocessing as mp
 
 from averaging.api import RoundReport
-
-_ATTRIBUTE = "_swarmtrain_missing_fraction"
-_LAST_GROUP = "_swarmtrain_last_recorded_group"  # lives in the averager's process only
-
-
-def attach(averager) -> None:
-    """Called in the training process before the averager's process starts."""
-    setattr(averager, _ATTRIBUTE, mp.RawValue(ctypes.c_double, 0.0))
+from averaging.pipeline import round_pipeline
+from averaging.pipeline.round_pipeline import RoundStage
 
 
-def record(averager, group_id: bytes, failed_size: int, total_size: int) -> None:
-    """Called in the averager's process after each all-reduce of group `group_id`; sizes in tensor elements."""
-    shared = getattr(averager, _ATTRIBUTE, None)
-    if shared is None:
-        return
-    fraction = failed_size / total_size if total_size else 0.0
-    if getattr(averager, _LAST_GROUP, None) == group_id:
-        fraction = max(fraction, shared.value)
-    setattr(averager, _LAST_GROUP, group_id)
-    shared.value = fraction
+class Completeness(RoundStage):
+    """The completeness stage: the share of the last round's average that never reached this peer."""
+
+    def __init__(self):
+        self._missing = None  # shared memory, allocated before the averager forks
+        self._last_group = None  # lives in the averager's process only
+
+    def prepare(self, averaged_tensors) -> None:
+        self._missing = mp.RawValue(ctypes.c_double, 0.0)
+
+    def finish(self, group_id: bytes, failed_size: int, total_size: int) -> None:
+        if self._missing is None:
+            return
+        fraction = failed_size / total_size if total_size else 0.0
+        if self._last_group == group_id:
+            fraction = max(fraction, self._missing.value)
+        self._last_group = group_id
+        self._missing.value = fraction
+
+    def missing_fraction(self) -> float:
+        return 0.0 if self._missing is None else float(self._missing.value)
 
 
 def missing_fraction(averager) -> float:
     """The fraction of values the averager's last all-reduce did not receive (0.0 when it was whole)."""
-    shared = getattr(averager, _ATTRIBUTE, None)
-    return 0.0 if shared is None else float(shared.value)
+    stage = round_pipeline.of(averager).stage(Completeness)
+    return 0.0 if stage is None else stage.missing_fraction()
 
 
 def round_report(averager, seconds: float, group_size: int) -> RoundReport:

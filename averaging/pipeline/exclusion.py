@@ -1,6 +1,6 @@
 """Exclusion: a peer whose contributions this peer's reducers keep dropping is refused from then on.
 
-Reducers judge each sender once per round (averaging/pipeline/robust_allreduce.py). A peer is excluded once
+Reducers judge each sender once per round (averaging/adapter/reducer.py). A peer is excluded once
 `threshold` of its last `window` judged rounds were offences, so that one transient NaN, or an
 honest peer's rare outlier, never excludes anyone. A round counts as clean only if every check could
 run on it: a group of three cannot tell a sign flip, and such rounds would otherwise fill an attacker's
@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
-from averaging.pipeline.robust_allreduce import Defence, Verdict
+from averaging.pipeline.defence import Defence, Verdict
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ sender's contribution to that part. Instead of averaging whatever arrives, a red
 
 Every drop but the first kind is an offence by its sender, reported so that repeat offenders can be
 excluded (averaging/pipeline/exclusion.py). This module is pure torch: the hivemind wiring lives in
-averaging/pipeline/robust_allreduce.py.
+averaging/adapter/reducer.py.
 """
 from __future__ import annotations
 

@@ -55,8 +55,9 @@ from averaging.codecs.compression import configured_codec
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.pipeline import completeness
-from averaging.pipeline.error_feedback import ErrorFeedback, building
+from averaging.pipeline.error_feedback import ErrorFeedback
 from averaging.pipeline.guards import all_finite
+from averaging.pipeline.round_pipeline import including
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
 from averaging.strategies.state import GuardedStateAverager
 from averaging.swarm import progress
@@ -146,7 +147,7 @@ class DiLoCoOptimizer:
         # hivemind initializes the inner optimizer's state with one zero-gradient step, which can move
         # the parameters (weight decay): the round starts from where the model is after that
         self._reset_round_start()
-        with building(error_feedback):
+        with including(error_feedback):
             self.grad_averager = DecentralizedAverager(
                 averaged_tensors=[torch.zeros_like(p) for p in self.global_params],
                 dht=dht,

@@ -2,7 +2,7 @@
 
 sync, local-sgd and powersgd are configurations of SyncOptimizer (hivemind.Optimizer underneath);
 diloco is DiLoCoOptimizer. Here the config's deadlines become what hivemind's processes fix at
-start, and hivemind_compat is installed before any averager process forks. It must not know
+start, and the hivemind adapter is installed before any averager process forks. It must not know
 about metrics or the CLI: the caller connects the hooks.
 """
 from __future__ import annotations
@@ -12,15 +12,16 @@ from typing import Optional
 
 from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
 
-from averaging.adapter import hivemind_compat
+from averaging import adapter
 from averaging.api import Replica, SwarmOptimizer
 from averaging.codecs.compression import codecs_from_config
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines
+from averaging.pipeline.defence import Defence
 from averaging.pipeline.error_feedback import ErrorFeedback
 from averaging.pipeline.exclusion import ExclusionBook, ExclusionRule, ExclusionWatch
 from averaging.pipeline.robust import RobustPolicy
-from averaging.pipeline.robust_allreduce import Defence, building
+from averaging.pipeline.round_pipeline import including
 from averaging.strategies.diloco import DiLoCoOptimizer
 from averaging.strategies.rounds import RoundKeeper
 from averaging.strategies.sync import SyncOptimizer
@@ -41,7 +42,7 @@ def build_swarm_optimizer(
 
     :param tracker_opts: extra ProgressTracker options (tests give each in-process peer its own private_key)
     """
-    hivemind_compat.install()  # before any averager process forks: they inherit the patched classes
+    adapter.install()  # before any averager process forks: they inherit the patched classes
     defence = Defence(RobustPolicy(
         norm_ratio=config.robust_norm_ratio, min_cosine=config.robust_min_cosine, rule=config.robust_aggregation,
         trim_fraction=config.robust_trim_fraction,
@@ -51,7 +52,7 @@ def build_swarm_optimizer(
                                on_exclude=replica.hooks.peer_excluded)
     rounds = RoundKeeper(replica.hooks, _deadlines(config), exclusion=exclusion)
     try:
-        with building(defence):  # every averager forked below carries it
+        with including(defence):  # every averager forked below carries it
             return _build(config, replica, tracker_opts, rounds)
     except BaseException:
         exclusion.close()

@@ -18,7 +18,7 @@ What it adds to hivemind's optimizer:
 - with error feedback, the gradient averager carries its codec's loss between rounds; the residuals
   are checkpointed and dropped when state is downloaded (averaging/pipeline/error_feedback.py).
 
-It overrides upstream methods; averaging/adapter/hivemind_compat.py fingerprints each of them.
+It overrides upstream methods; averaging/adapter/ fingerprints each of them.
 """
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 from averaging.api import RoundReport, SwarmView
 from averaging.deadlines import Deadlines
 from averaging.pipeline import completeness
-from averaging.pipeline.error_feedback import ErrorFeedback, building
+from averaging.pipeline.error_feedback import ErrorFeedback
 from averaging.pipeline.guards import all_finite
+from averaging.pipeline.round_pipeline import including
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
 from averaging.strategies.state import ReportingStateAverager
 from averaging.swarm import progress
@@ -158,7 +159,7 @@ class SyncOptimizer(hivemind.Optimizer):
         )
 
     def _make_gradient_averager(self, factory, **kwargs):
-        with building(self.error_feedback):
+        with including(self.error_feedback):
             return super()._make_gradient_averager(factory, **kwargs)
 
     def _update_global_epoch(self, grad_scaler) -> None:

@@ -7,7 +7,7 @@ once for the gradient round its last step waits on and again for the background
 state-averaging round that its final checkpoint waits on. hivemind's own shutdown cancels
 rounds still looking for a group, but only after both waits.
 
-averaging/adapter/hivemind_compat.py records every round started through hivemind's averagers in
+averaging/adapter/ records every round started through hivemind's averagers in
 this process; a `RoundAbandoner` cancels those still looking for a group after a grace period,
 once the peer is leaving, or once every other peer is (a straggler one epoch behind peers that
 reached --max-epochs would otherwise wait out a gradient round and a state round that nobody
@@ -25,7 +25,7 @@ from typing import Callable
 
 from hivemind.averaging.control import AveragingStage, StepControl
 
-from averaging.adapter import hivemind_compat
+from averaging import adapter
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class RoundAbandoner(threading.Thread):
         return not control.done() and control.stage == AveragingStage.LOOKING_FOR_GROUP
 
     def _looking(self) -> list:
-        return [control for control in list(hivemind_compat.open_rounds) if self._is_looking(control)]
+        return [control for control in list(adapter.open_rounds) if self._is_looking(control)]
 
     def finish(self, timeout_seconds: float = 1.0) -> None:
         self._finished.set()

@@ -19,7 +19,7 @@ import hivemind
 import torch
 from prometheus_client import CollectorRegistry
 
-from averaging.adapter import hivemind_compat
+from averaging import adapter
 from averaging.api import Replica, SwarmOptimizer
 from averaging.codecs.compression import round_payload_bytes
 from averaging.strategies.factory import build_swarm_optimizer, progress_record_ttl_seconds
@@ -88,7 +88,7 @@ class PeerBuilder:
         self.keys = SwarmKeys.for_run(config.training.run_id, config.dht.swarm_key)
         self._dht_quiet = False
         self._checkpoint_lock: Optional[CheckpointDirLock] = None
-        hivemind_compat.install()  # before anything forks: every hivemind process inherits the patches
+        adapter.install()  # before anything forks: every hivemind process inherits the patches
 
     def monitoring(self, device: torch.device, strategy: str, codec: str) -> Monitoring:
         """Metrics and the bottleneck classifier fed by one phase timer; /metrics served unless the port is off.

@@ -1,4 +1,4 @@
-"""The pacing in averaging/adapter/hivemind_compat.py:
+"""The pacing in averaging/adapter/:
 hivemind's matchmaking lookups and donor declarations are spaced out,
 and none is lost."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.key_manager import GroupKeyManager
 
-from averaging.adapter import hivemind_compat as pacing
+from averaging.adapter import pacing
 
 
 class FakeClock:
@@ -44,7 +44,7 @@ async def test_back_to_back_group_lookups_wait_for_their_slot(monkeypatch):
     async def record_sleep(seconds):
         slept.append(seconds)
 
-    monkeypatch.setattr(GroupKeyManager, "get_averagers", pacing._paced_get_averagers)
+    monkeypatch.setattr(GroupKeyManager, "get_averagers", pacing.paced_get_averagers)
     monkeypatch.setattr(pacing.asyncio, "sleep", record_sleep)
     manager = GroupKeyManager(FakeDHT(), "run_grad_averager", "", None)
     manager._lookup_pacer = pacing.Pacer(pacing.LOOKUP_INTERVAL_SECONDS, clock=FakeClock())
@@ -68,7 +68,7 @@ async def test_a_burst_of_state_updates_is_declared_a_few_times_and_the_newest_p
         allow_state_sharing=True, state_sharing_priority=0, declare_state_period=30.0,
         dht=FakeDHT(), peer_id=SimpleNamespace(to_bytes=lambda: b"me"), _state_updated=asyncio.Event(),
     )
-    declaring = asyncio.create_task(pacing._paced_declare_for_download_periodically(averager))
+    declaring = asyncio.create_task(pacing.paced_declare_for_download_periodically(averager))
     try:
         updates = 200  # an all-reduce marks the state updated once per averaged tensor
         for priority in range(1, updates + 1):
@@ -90,9 +90,9 @@ def test_building_an_optimizer_installs_the_pacing(monkeypatch):
     from averaging.config import AveragingConfig
     from averaging.strategies.factory import build_swarm_optimizer
 
-    monkeypatch.setattr(GroupKeyManager, "get_averagers", pacing._unpaced_get_averagers)
+    monkeypatch.setattr(GroupKeyManager, "get_averagers", pacing.unpaced_get_averagers)
     monkeypatch.setattr(DecentralizedAverager, "_declare_for_download_periodically", None)
     with pytest.raises(AttributeError):  # the replica is unusable on purpose: only what happens first matters
         build_swarm_optimizer(AveragingConfig(target_batch_size=8), replica=None)
-    assert GroupKeyManager.get_averagers is pacing._paced_get_averagers
-    assert DecentralizedAverager._declare_for_download_periodically is pacing._paced_declare_for_download_periodically
+    assert GroupKeyManager.get_averagers is pacing.paced_get_averagers
+    assert DecentralizedAverager._declare_for_download_periodically is pacing.paced_declare_for_download_periodically

@@ -8,7 +8,7 @@ import hivemind
 import pytest
 import torch
 
-from averaging.adapter import hivemind_compat
+from averaging import adapter
 from averaging.swarm.donor import (
     APART_PENALTY,
     DONOR_BONUS,
@@ -27,7 +27,7 @@ EPOCH = 7
 @contextlib.contextmanager
 def donors(count: int):
     """`count` averagers at EPOCH, each holding its index as its state."""
-    hivemind_compat.install()
+    adapter.install()
     dhts, averagers = start_dhts(count), []
     try:
         for index, dht in enumerate(dhts):

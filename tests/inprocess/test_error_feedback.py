@@ -8,12 +8,13 @@ import hivemind
 import pytest
 import torch
 
-from averaging.adapter import hivemind_compat
+from averaging import adapter
+from averaging.adapter.partition import FeedbackPartContainer
 from averaging.api import Replica
 from averaging.codecs.compression import make_codec
 from averaging.config import AveragingConfig
-from averaging.pipeline import error_feedback
-from averaging.pipeline.error_feedback import ErrorFeedback, FeedbackPartContainer, encode_with_feedback
+from averaging.pipeline import round_pipeline
+from averaging.pipeline.error_feedback import ErrorFeedback, encode_with_feedback
 from averaging.strategies.factory import build_swarm_optimizer
 from dht.keys import SwarmKeys
 from tests.inprocess.test_averaging import make_diloco, run_in_threads, start_dhts
@@ -107,11 +108,11 @@ def test_a_part_whose_reducer_failed_keeps_this_peers_values_and_its_old_residua
 
 def test_residuals_survive_a_checkpoint_and_a_bad_one_starts_from_zero():
     feedback = ErrorFeedback()
-    feedback.allocate_like([torch.zeros(3), torch.zeros(2, 2)])
+    feedback.prepare([torch.zeros(3), torch.zeros(2, 2)])
     feedback.residuals[0].fill_(0.5)
     saved = feedback.state_dict()
     restored = ErrorFeedback()
-    restored.allocate_like([torch.zeros(3), torch.zeros(2, 2)])
+    restored.prepare([torch.zeros(3), torch.zeros(2, 2)])
     restored.load_state_dict(saved)
     assert torch.equal(restored.residuals[0], torch.full((3,), 0.5)) and restored.norm() > 0
     restored.load_state_dict([torch.tensor([float("nan"), 1.0, 2.0]), torch.zeros(2, 2)])
@@ -192,7 +193,7 @@ def test_diloco_peers_with_int4_and_error_feedback_agree_checkpoint_their_residu
     config = AveragingConfig(strategy="diloco", target_batch_size=4, matchmaking_seconds=1.0,
                              averaging_timeout_seconds=20.0, grad_compression="int4")
     assert config.uses_error_feedback
-    hivemind_compat.install()  # as build_swarm_optimizer does: our codecs' registration, error feedback's patch
+    adapter.install()  # as build_swarm_optimizer does: our codecs' registration, error feedback's patch
     dhts = start_dhts(2)
     torch.manual_seed(0)
     models = [torch.nn.Linear(128, 128) for _ in dhts]
@@ -241,8 +242,9 @@ def test_the_sync_strategy_carries_residuals_on_its_gradient_averager_only_and_c
             optimizer_factory=lambda params: torch.optim.Adam(params, lr=0.05), batch_size=8, client_mode=False,
         ))
         feedback = optimizer.error_feedback
-        assert error_feedback.of(optimizer.grad_averager) is feedback
-        assert error_feedback.of(optimizer.state_averager) is None  # parameters are averaged as they are
+        assert round_pipeline.of(optimizer.grad_averager).stage(ErrorFeedback) is feedback
+        # parameters are averaged as they are
+        assert round_pipeline.of(optimizer.state_averager).stage(ErrorFeedback) is None
         assert [r.shape for r in feedback.residuals] == [p.shape for p in model.parameters()]
         assert all(r.is_shared() for r in feedback.residuals)  # the averager's process writes them
 

@@ -1,5 +1,5 @@
-"""averaging/adapter/hivemind_compat.py: one install() for every patch, and an upgrade of hivemind that changes code we
-copy or override fails with the list of places to re-read."""
+"""The hivemind adapter (averaging/adapter/): one install() for every patch, and an upgrade of hivemind that
+changes code we copy or override fails with the list of places to re-read."""
 from __future__ import annotations
 
 import inspect
@@ -14,16 +14,17 @@ from hivemind.compression.quantization import Quantization
 from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from averaging.adapter import hivemind_compat
-from averaging.pipeline.error_feedback import FeedbackPartContainer
+from averaging import adapter
+from averaging.adapter import numpy2, pacing, recorded_steps
+from averaging.adapter.partition import FeedbackPartContainer
 from averaging.strategies.diloco import DiLoCoOptimizer
 from averaging.strategies.state import GuardedStateAverager, ReportingStateAverager
 from averaging.strategies.sync import SyncOptimizer
 
 
 def test_the_installed_hivemind_matches_every_fingerprint():
-    assert hivemind.__version__ == hivemind_compat.PINNED_VERSION
-    assert hivemind_compat.changed_upstream() == []
+    assert hivemind.__version__ == adapter.PINNED_VERSION
+    assert adapter.changed_upstream() == []
 
 
 def test_a_changed_upstream_function_is_named_with_the_module_that_depends_on_it(monkeypatch):
@@ -31,14 +32,14 @@ def test_a_changed_upstream_function_is_named_with_the_module_that_depends_on_it
         return False
 
     monkeypatch.setattr(Optimizer, "_begin_averaging_gradients", _begin_averaging_gradients)
-    assert hivemind_compat.changed_upstream() == [
+    assert adapter.changed_upstream() == [
         "hivemind.optim.optimizer.Optimizer._begin_averaging_gradients (used by averaging/strategies/sync.py)"
     ]
 
 
 def test_a_removed_upstream_function_is_named_too(monkeypatch):
     monkeypatch.delattr(TrainingStateAverager, "_apply_averaging_results_")
-    changed = hivemind_compat.changed_upstream()
+    changed = adapter.changed_upstream()
     assert changed == ["hivemind.optim.state_averager.TrainingStateAverager._apply_averaging_results_ "
                        "(used by averaging/strategies/state.py)"]
 
@@ -46,8 +47,8 @@ def test_a_removed_upstream_function_is_named_too(monkeypatch):
 def test_install_refuses_another_version_whose_code_we_rely_on_changed(monkeypatch):
     monkeypatch.setattr(hivemind, "__version__", "9.9.9")
     monkeypatch.setattr(Optimizer, "_begin_averaging_gradients", lambda self, grad_scaler: False)
-    with pytest.raises(hivemind_compat.HivemindIncompatible) as error:
-        hivemind_compat.install()
+    with pytest.raises(adapter.HivemindIncompatible) as error:
+        adapter.install()
     message = str(error.value)
     assert "hivemind 9.9.9" in message and "Optimizer._begin_averaging_gradients" in message
     assert "pip install hivemind==1.1.12" in message
@@ -55,23 +56,23 @@ def test_install_refuses_another_version_whose_code_we_rely_on_changed(monkeypat
 
 def test_install_on_another_version_with_unchanged_code_warns_and_patches(monkeypatch, caplog):
     monkeypatch.setattr(hivemind, "__version__", "1.1.13")
-    monkeypatch.setattr(GroupKeyManager, "get_averagers", hivemind_compat._unpaced_get_averagers)
+    monkeypatch.setattr(GroupKeyManager, "get_averagers", pacing.unpaced_get_averagers)
     with caplog.at_level(logging.WARNING):
-        hivemind_compat.install()
+        adapter.install()
     assert "hivemind 1.1.13 (expected 1.1.12)" in caplog.text
-    assert GroupKeyManager.get_averagers is hivemind_compat._paced_get_averagers
+    assert GroupKeyManager.get_averagers is pacing.paced_get_averagers
 
 
 def test_install_puts_every_patch_in_place_and_twice_is_the_same_as_once():
-    hivemind_compat.install()
-    hivemind_compat.install()
-    assert Quantization.extract is hivemind_compat._quantization_extract
-    assert GroupKeyManager.get_averagers is hivemind_compat._paced_get_averagers
+    adapter.install()
+    adapter.install()
+    assert Quantization.extract is numpy2.quantization_extract
+    assert GroupKeyManager.get_averagers is pacing.paced_get_averagers
     assert DecentralizedAverager._declare_for_download_periodically is (
-        hivemind_compat._paced_declare_for_download_periodically)
-    assert DecentralizedAverager.step is hivemind_compat._recorded_step
+        pacing.paced_declare_for_download_periodically)
+    assert DecentralizedAverager.step is recorded_steps.recorded_step
     # patched or not, the fingerprints are those of upstream's originals
-    assert hivemind_compat.changed_upstream() == []
+    assert adapter.changed_upstream() == []
 
 
 @pytest.mark.parametrize("ours, upstream", [
@@ -90,11 +91,11 @@ def test_every_upstream_method_our_subclasses_override_is_fingerprinted(ours, up
             for base in upstream.__mro__:
                 if name in vars(base) and base.__module__.startswith("hivemind"):
                     qualified = f"{base.__module__}.{base.__qualname__}.{name}"
-                    assert qualified in hivemind_compat.UPSTREAM, f"{cls.__name__}.{name} overrides {qualified}"
+                    assert qualified in adapter.UPSTREAM, f"{cls.__name__}.{name} overrides {qualified}"
                     break
 
 
 def test_diloco_mimics_upstreams_resync_rule_which_is_fingerprinted():
     assert "_should_load_state_from_peers" in vars(DiLoCoOptimizer)
-    assert "hivemind.optim.optimizer.Optimizer._should_load_state_from_peers" in hivemind_compat.UPSTREAM
+    assert "hivemind.optim.optimizer.Optimizer._should_load_state_from_peers" in adapter.UPSTREAM
     assert inspect.getsource(Optimizer._should_load_state_from_peers)

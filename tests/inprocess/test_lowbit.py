@@ -7,7 +7,7 @@ import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 
-from averaging.adapter import hivemind_compat
+from averaging import adapter
 from averaging.codecs.compression import make_codec, payload_bytes
 from averaging.codecs.lowbit import BLOCK, CODEC_IDS, BlockwiseAbsmax, TopK
 from tests.inprocess.test_robust_allreduce import average_all, averagers
@@ -91,7 +91,7 @@ def test_topk_with_int8_values_keeps_the_same_values_at_int8_precision_in_fewer_
     assert torch.equal(decoded != 0, kept)  # the same largest values
     assert float((decoded[kept] - values[kept]).abs().max()) <= float(values[kept].abs().max()) / 127 / 2 * 1.01
     assert payload_bytes([values], int8) < payload_bytes([values], fp16)
-    hivemind_compat.install()  # hivemind decodes our ids once they are registered
+    adapter.install()  # hivemind decodes our ids once they are registered
     assert deserialize_torch_tensor(int8.compress(values, CompressionInfo.from_tensor(values))).equal(decoded)
     with pytest.raises(ValueError, match="value_bits must be 8 or 16"):
         TopK(0.01, value_bits=4)
@@ -99,7 +99,7 @@ def test_topk_with_int8_values_keeps_the_same_values_at_int8_precision_in_fewer_
 
 def test_a_reducer_replies_through_topk_densely_as_fp16():
     """The codec registered for topk's id encodes the reducers' replies: all of the correction, at fp16."""
-    hivemind_compat.install()
+    adapter.install()
     values = gradient_like(4096)
     reply = serialize_torch_tensor(values, CODEC_IDS["topk"])  # what a reducer does with the sender's id
     assert len(reply.buffer) == 4 + 2 * 4096
@@ -108,7 +108,7 @@ def test_a_reducer_replies_through_topk_densely_as_fp16():
 
 @pytest.mark.parametrize("name", ["int8", "int4", "topk"])
 def test_hivemind_decodes_our_codecs_by_their_ids(name):
-    hivemind_compat.install()
+    adapter.install()
     values = gradient_like(3000).to(torch.bfloat16)  # the sender's dtype comes back
     codec = make_codec(name)
     message = codec.compress(values, CompressionInfo.from_tensor(values))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
 
-from averaging.adapter import hivemind_compat
+from averaging import adapter
 from averaging.swarm.open_rounds import RoundAbandoner
 from tests.peers import wait_until
 
@@ -40,7 +40,7 @@ def test_only_rounds_still_looking_for_a_group_after_the_grace_are_cancelled(mon
     running = FakeRound(AveragingStage.RUNNING_ALLREDUCE)
     finished = FakeRound(AveragingStage.LOOKING_FOR_GROUP, done=True)
     rounds = [looking, grouped, running, finished]
-    monkeypatch.setattr(hivemind_compat, "open_rounds", weakref.WeakSet(rounds))
+    monkeypatch.setattr(adapter, "open_rounds", weakref.WeakSet(rounds))
     clock = FakeClock()
     abandoner = RoundAbandoner(leaving=lambda: True, grace_seconds=lambda: 2.0, clock=clock)
 
@@ -55,7 +55,7 @@ def test_only_rounds_still_looking_for_a_group_after_the_grace_are_cancelled(mon
 def test_whether_to_drop_rounds_is_asked_only_while_one_looks_for_a_group(monkeypatch):
     """leaving() may read the DHT (are all the other peers leaving?): not four times a second for nothing."""
     rounds = [FakeRound(AveragingStage.RUNNING_ALLREDUCE)]
-    monkeypatch.setattr(hivemind_compat, "open_rounds", weakref.WeakSet(rounds))
+    monkeypatch.setattr(adapter, "open_rounds", weakref.WeakSet(rounds))
     asked = []
     abandoner = RoundAbandoner(leaving=lambda: asked.append(True) or True, grace_seconds=lambda: 0.0,
                                poll_seconds=0.01)
@@ -65,7 +65,7 @@ def test_whether_to_drop_rounds_is_asked_only_while_one_looks_for_a_group(monkey
         assert not asked
         looking = FakeRound(AveragingStage.LOOKING_FOR_GROUP)
         rounds.append(looking)
-        monkeypatch.setattr(hivemind_compat, "open_rounds", weakref.WeakSet(rounds))
+        monkeypatch.setattr(adapter, "open_rounds", weakref.WeakSet(rounds))
         wait_until(lambda: looking.cancelled, 10, message="the looking round to be cancelled")
         assert asked and not rounds[0].cancelled
     finally:
@@ -75,7 +75,7 @@ def test_whether_to_drop_rounds_is_asked_only_while_one_looks_for_a_group(monkey
 def test_whether_to_drop_rounds_is_asked_only_once_a_round_has_looked_longer_than_the_grace(monkeypatch):
     """A round normally finds its group within its matchmaking window: until it has not, the DHT is not read."""
     looking = FakeRound(AveragingStage.LOOKING_FOR_GROUP)
-    monkeypatch.setattr(hivemind_compat, "open_rounds", weakref.WeakSet([looking]))
+    monkeypatch.setattr(adapter, "open_rounds", weakref.WeakSet([looking]))
     clock, asked = FakeClock(), []
     abandoner = RoundAbandoner(leaving=lambda: asked.append(True) or True, grace_seconds=lambda: 2.0, clock=clock)
     assert abandoner.poll() == 0  # first seen now
@@ -87,7 +87,7 @@ def test_whether_to_drop_rounds_is_asked_only_once_a_round_has_looked_longer_tha
 
 def test_a_round_that_finds_its_group_while_leaving_is_asked_runs_on(monkeypatch):
     looking = FakeRound(AveragingStage.LOOKING_FOR_GROUP)
-    monkeypatch.setattr(hivemind_compat, "open_rounds", weakref.WeakSet([looking]))
+    monkeypatch.setattr(adapter, "open_rounds", weakref.WeakSet([looking]))
 
     def leaving() -> bool:  # a DHT read takes a while: meanwhile the round found its group
         looking.stage = AveragingStage.RUNNING_ALLREDUCE
@@ -99,7 +99,7 @@ def test_a_round_that_finds_its_group_while_leaving_is_asked_runs_on(monkeypatch
 
 @pytest.mark.timeout(120)
 def test_a_leaving_peer_cancels_its_real_round_that_nobody_joins():
-    hivemind_compat.install()
+    adapter.install()
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     averager = abandoner = None
     try:
@@ -108,7 +108,7 @@ def test_a_leaving_peer_cancels_its_real_round_that_nobody_joins():
         )
         # alone, this round would look for a group for its whole timeout
         control = averager.step(timeout=60, wait=False)
-        assert control in set(hivemind_compat.open_rounds)
+        assert control in set(adapter.open_rounds)
         leaving = []
         abandoner = RoundAbandoner(leaving=lambda: bool(leaving), grace_seconds=lambda: 1.0, poll_seconds=0.1)
         abandoner.start()

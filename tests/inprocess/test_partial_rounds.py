@@ -17,10 +17,10 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
-from averaging.adapter import hivemind_compat
+from averaging import adapter
 from averaging.api import AveragingHooks, RoundReport, SwarmView
 from averaging.deadlines import AdaptiveDeadlines
-from averaging.pipeline import completeness
+from averaging.pipeline import completeness, round_pipeline
 from averaging.strategies.rounds import DONOR_CHECK_SECONDS, FRESH_READ_SECONDS, SETTLE_SECONDS, RoundKeeper
 from averaging.swarm.donor import DonorView
 from tests.inprocess.test_averaging import run_in_threads, start_dhts
@@ -60,7 +60,7 @@ def average_both(averagers: List, timeout: float = 30.0) -> List[dict]:
 
 @pytest.mark.timeout(120)
 def test_a_late_reducer_part_makes_the_round_partial_for_the_peer_that_missed_it():
-    hivemind_compat.install()
+    adapter.install()
     dhts, averagers = start_dhts(2), []
     try:
         for dht, value in zip(dhts, (0.0, 1.0)):
@@ -106,11 +106,11 @@ def test_several_all_reduces_of_one_round_are_partial_if_any_was():
         pass
 
     averager = Averager()
-    completeness.attach(averager)
-    completeness.record(averager, b"round 1", failed_size=10, total_size=40)
-    completeness.record(averager, b"round 1", failed_size=0, total_size=20)  # PowerSGD's second phase
+    pipeline = round_pipeline.attach(averager, [], always=[completeness.Completeness()])
+    pipeline.finish(b"round 1", failed_size=10, total_size=40)
+    pipeline.finish(b"round 1", failed_size=0, total_size=20)  # PowerSGD's second phase
     assert completeness.missing_fraction(averager) == 0.25
-    completeness.record(averager, b"round 2", failed_size=0, total_size=40)
+    pipeline.finish(b"round 2", failed_size=0, total_size=40)
     assert completeness.missing_fraction(averager) == 0.0
     assert completeness.missing_fraction(object()) == 0.0  # an averager built before the patches
 

@@ -8,11 +8,11 @@ import hivemind
 import pytest
 import torch
 
-from averaging.adapter import hivemind_compat
-from averaging.pipeline import error_feedback
+from averaging import adapter
+from averaging.pipeline.defence import Defence
 from averaging.pipeline.error_feedback import ErrorFeedback
 from averaging.pipeline.robust import RobustPolicy
-from averaging.pipeline.robust_allreduce import Defence, building
+from averaging.pipeline.round_pipeline import including
 from tests.inprocess.test_averaging import run_in_threads, start_dhts
 
 PEERS = 4
@@ -29,14 +29,14 @@ def averagers(values: List[Union[torch.Tensor, List[torch.Tensor]]], defences: O
               prefix: str = "robust_test", feedbacks: Optional[List[ErrorFeedback]] = None, **options):
     """One real averager per tensor (or list of tensors), each on its own DHT in this process, with its
     Defence and ErrorFeedback if given; `options` go to every averager."""
-    hivemind_compat.install()
+    adapter.install()
     defences = defences or [None] * len(values)
     feedbacks = feedbacks or [None] * len(values)
     dhts = start_dhts(len(values))
     built = []
     try:
         for dht, tensors, defence, feedback in zip(dhts, values, defences, feedbacks):
-            with building(defence), error_feedback.building(feedback):
+            with including(defence), including(feedback):
                 built.append(hivemind.averaging.DecentralizedAverager(
                     tensors if isinstance(tensors, list) else [tensors], dht, prefix=prefix,
                     target_group_size=len(values), min_group_size=2, min_matchmaking_time=2.0, request_timeout=1.0,

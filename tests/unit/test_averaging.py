@@ -5,7 +5,7 @@ import pytest
 import torch
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
-from averaging.adapter import hivemind_compat
+from averaging import adapter
 from averaging.codecs.compression import make_codec, payload_bytes, powersgd_factors, round_payload_bytes
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines
@@ -14,8 +14,8 @@ from peer.config import ConfigError, load_config
 
 @pytest.fixture(autouse=True, scope="module")
 def numpy2_decoding():
-    """The 8-bit codecs decode only with hivemind_compat's numpy 2 fix, as in every peer."""
-    hivemind_compat.install()
+    """The 8-bit codecs decode only with the adapter's numpy 2 fix, as in every peer."""
+    adapter.install()
 
 
 def real_tensors():

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from averaging.pipeline.defence import Verdict
 from averaging.pipeline.exclusion import ExclusionBook, ExclusionRule
 from averaging.pipeline.robust import Contribution, NothingToAggregate, RobustPolicy, aggregate
-from averaging.pipeline.robust_allreduce import Verdict
 
 POLICY = RobustPolicy()
 

@@ -1,26 +1,15 @@
-"""Robust aggregation and exclusion, wired into hivemind's averager processes.
+"""Robust reduction inside hivemind's all-reduce: a reducer that screens each sender's part before combining.
 
-Each hivemind averager is its own process, forked when it starts. A `Defence` is made in the peer's
-main process before its averagers fork (see `building`), and each averager it builds carries it:
-
-- the averager's reducers are RobustPartReducers (averaging/pipeline/robust.py decides what is dropped);
-- after every round, each reducer sends a verdict per sender (dropped, and why, or not) back to the
-  main process through the Defence's queue; there an ExclusionBook (averaging/pipeline/exclusion.py) decides
-  who is excluded and writes the excluded peer ids into the Defence's shared memory;
-- every averager process reads that list: it refuses excluded peers as followers and as leaders in
-  matchmaking, neither serves its state to one nor downloads state from one, and drops what one sends
-  in a group that another leader formed with it.
-
-The hivemind patches that call into here are installed by averaging/adapter/hivemind_compat.py.
+hivemind's TensorPartReducer keeps a running sum of the parts it receives. RobustPartReducer keeps each
+sender's part instead, combines them with averaging/pipeline/robust.py once every sender's part has arrived,
+and after the round sends a verdict per sender to the training process through the averager's Defence
+(averaging/pipeline/defence.py), where exclusion is decided. RobustAllReduceRunner is hivemind's
+AllReduceRunner with such a reducer. Both override upstream code that averaging/adapter/upstream.py fingerprints.
 """
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import multiprocessing as mp
-import queue
-from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
@@ -28,84 +17,11 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.p2p import PeerID
 
-from averaging.pipeline.carried import Carried
-from averaging.pipeline.robust import Contribution, Drop, NothingToAggregate, RobustPolicy, aggregate
+from averaging.pipeline.defence import Defence, Verdict
+from averaging.pipeline.robust import Contribution, Drop, NothingToAggregate, aggregate
 
 logger = logging.getLogger(__name__)
 
-EXCLUDED_CAPACITY_BYTES = 64 * 1024  # about 1200 base58 peer ids
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What one reducer decided about one sender in one round."""
-
-    peer: str  # base58
-    round_id: str
-    offence: str = ""  # a Drop reason, or "" when every part it sent was kept and judged by every check
-    detail: str = ""
-
-
-class Defence:
-    """The policy, the excluded peers and the verdict queue that a peer's averager processes share."""
-
-    def __init__(self, policy: RobustPolicy):
-        self.policy = policy
-        self._excluded = mp.Array(ctypes.c_char, EXCLUDED_CAPACITY_BYTES, lock=True)
-        self._verdicts = mp.Queue()
-        self._cached_raw, self._cached = b"", frozenset()
-
-    def excluded(self) -> frozenset:
-        """The excluded peers, as PeerIDs (read from shared memory, parsed once per change)."""
-        with self._excluded.get_lock():
-            raw = self._excluded.value
-        if raw != self._cached_raw:
-            names = raw.decode().split()
-            self._cached_raw, self._cached = raw, frozenset(PeerID.from_base58(name) for name in names)
-        return self._cached
-
-    def set_excluded(self, peers: Sequence[str]) -> None:
-        raw = " ".join(peers).encode()
-        if len(raw) >= EXCLUDED_CAPACITY_BYTES:
-            raise ValueError(f"too many excluded peers to share ({len(peers)})")
-        with self._excluded.get_lock():
-            self._excluded.value = raw
-
-    def report(self, verdicts: List[Verdict]) -> None:
-        for verdict in verdicts:
-            self._verdicts.put(verdict)
-
-    def take_verdicts(self, timeout: float) -> List[Verdict]:
-        """Verdicts sent since the last call; waits up to `timeout` seconds for the first one."""
-        taken = []
-        try:
-            taken.append(self._verdicts.get(timeout=timeout))
-            while True:
-                taken.append(self._verdicts.get_nowait())
-        except queue.Empty:
-            return taken
-
-    def close(self) -> None:
-        self._verdicts.close()
-        self._verdicts.cancel_join_thread()  # a verdict nobody reads must not hold up this process's exit
-
-
-# --- which Defence an averager carries ------------------------------------------------------------
-
-defences: Carried[Defence] = Carried("defence")
-building = defences.building
-active: Optional[Defence] = None
-"""In an averager process: the Defence of the averager it runs (one averager per process)."""
-
-
-def activate_defence(averager) -> None:
-    """Called first thing in the averager's own process."""
-    global active
-    active = defences.of(averager)
-
-
-def is_excluded(peer_id: PeerID) -> bool:
-    return active is not None and peer_id in active.excluded()
 
 
 # --- the reducer ---------------------------------------------------------------------------------

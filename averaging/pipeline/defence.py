@@ -1,0 +1,85 @@
+"""The defence stage of the round pipeline: robust reduction, its verdicts, and the peers excluded for them.
+
+A Defence is made in the peer's main process and included in the pipeline of every averager it builds
+(averaging/pipeline/round_pipeline.py), so each averager process carries it:
+
+- the averager's reducers screen what each sender contributes (averaging/adapter/reducer.py, with the
+  rules of averaging/pipeline/robust.py);
+- after every round, each reducer sends a verdict per sender (dropped, and why, or not) back to the
+  main process through the Defence's queue; there an ExclusionBook (averaging/pipeline/exclusion.py) decides
+  who is excluded and writes the excluded peer ids into the Defence's shared memory;
+- every averager process reads that list: it refuses excluded peers as followers and as leaders in
+  matchmaking, neither serves its state to one nor downloads state from one, and drops what one sends
+  in a group that another leader formed with it.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import queue
+from dataclasses import dataclass
+from typing import List, Sequence
+
+from hivemind.p2p import PeerID
+
+from averaging.pipeline.robust import RobustPolicy
+from averaging.pipeline.round_pipeline import RoundStage
+
+EXCLUDED_CAPACITY_BYTES = 64 * 1024  # about 1200 base58 peer ids
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one reducer decided about one sender in one round."""
+
+    peer: str  # base58
+    round_id: str
+    offence: str = ""  # a Drop reason, or "" when every part it sent was kept and judged by every check
+    detail: str = ""
+
+
+class Defence(RoundStage):
+    """The policy, the excluded peers and the verdict queue that a peer's averager processes share."""
+
+    def __init__(self, policy: RobustPolicy):
+        self.policy = policy
+        self._excluded = mp.Array(ctypes.c_char, EXCLUDED_CAPACITY_BYTES, lock=True)
+        self._verdicts = mp.Queue()
+        self._cached_raw, self._cached = b"", frozenset()
+
+    def excluded(self) -> frozenset:
+        """The excluded peers, as PeerIDs (read from shared memory, parsed once per change)."""
+        with self._excluded.get_lock():
+            raw = self._excluded.value
+        if raw != self._cached_raw:
+            names = raw.decode().split()
+            self._cached_raw, self._cached = raw, frozenset(PeerID.from_base58(name) for name in names)
+        return self._cached
+
+    def set_excluded(self, peers: Sequence[str]) -> None:
+        raw = " ".join(peers).encode()
+        if len(raw) >= EXCLUDED_CAPACITY_BYTES:
+            raise ValueError(f"too many excluded peers to share ({len(peers)})")
+        with self._excluded.get_lock():
+            self._excluded.value = raw
+
+    def refuses(self, peer_id: PeerID) -> bool:
+        return peer_id in self.excluded()
+
+    def report(self, verdicts: List[Verdict]) -> None:
+        for verdict in verdicts:
+            self._verdicts.put(verdict)
+
+    def take_verdicts(self, timeout: float) -> List[Verdict]:
+        """Verdicts sent since the last call; waits up to `timeout` seconds for the first one."""
+        taken = []
+        try:
+            taken.append(self._verdicts.get(timeout=timeout))
+            while True:
+                taken.append(self._verdicts.get_nowait())
+        except queue.Empty:
+            return taken
+
+    def close(self) -> None:
+        self._verdicts.close()
+        self._verdicts.cancel_join_thread()  # a verdict nobody reads must not hold up this process's exit

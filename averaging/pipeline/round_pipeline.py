@@ -1,0 +1,107 @@
+"""The round pipeline: the stages a contribution goes through in one averager's all-reduce, in one place.
+
+In order, for each round of an averager:
+
+1. error feedback (error_feedback.ErrorFeedback): this peer sends its tensors plus the residuals that a lossy
+   codec left out of earlier rounds, and keeps what this round's codec loses;
+2. codec: the averager's own compression (averaging/codecs/) encodes each part on the wire;
+3. robust reduction (defence.Defence): where this peer reduces a part, each sender's contribution is screened
+   and combined robustly (robust.py), its verdicts go to exclusion (exclusion.py), and excluded peers are
+   refused in matchmaking and state sharing;
+4. completeness (completeness.Completeness): the share of the average that never reached this peer is
+   recorded, so that the training process can tell a partial round from a whole one.
+
+A stage is a small object with the hooks it needs (RoundStage); a RoundPipeline is the ordered tuple of the
+stages one averager carries. hivemind starts an averager's process from its constructor, so nothing can be
+passed to it: the builder includes stages with `including(stage)` blocks around the averagers it builds, and
+the adapter's pre-fork hook (averaging/adapter/allreduce.py) attaches the pipeline to each averager as it
+starts, which its process inherits. The adapter's all-reduce drives the stages; nothing here touches hivemind.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
+
+import torch
+
+S = TypeVar("S", bound="RoundStage")
+_ATTRIBUTE = "_swarmtrain_round_pipeline"
+
+
+class RoundStage:
+    """One step of what happens to a contribution in a round; every hook is optional."""
+
+    def prepare(self, averaged_tensors: Sequence[torch.Tensor]) -> None:
+        """In the training process, as the averager starts and before it forks (shared memory goes here)."""
+
+    def refuses(self, peer_id) -> bool:
+        """Whether this averager must neither average with `peer_id` nor share state with it."""
+        return False
+
+    def finish(self, group_id: bytes, failed_size: int, total_size: int) -> None:
+        """In the averager's process, after each all-reduce of group `group_id` (sizes in tensor elements)."""
+
+
+class RoundPipeline:
+    """The stages of one averager's rounds. The adapter's all-reduce applies each kind at its point of the round
+    (the order of the module docstring), so the order they were included in does not matter."""
+
+    def __init__(self, stages: Sequence[RoundStage] = ()):
+        self.stages: Tuple[RoundStage, ...] = tuple(stages)
+
+    def stage(self, kind: Type[S]) -> Optional[S]:
+        """The stage of this kind, if the averager carries one."""
+        return next((stage for stage in self.stages if isinstance(stage, kind)), None)
+
+    def prepare(self, averaged_tensors: Sequence[torch.Tensor]) -> None:
+        for stage in self.stages:
+            stage.prepare(averaged_tensors)
+
+    def refuses(self, peer_id) -> bool:
+        return any(stage.refuses(peer_id) for stage in self.stages)
+
+    def finish(self, group_id: bytes, failed_size: int, total_size: int) -> None:
+        for stage in self.stages:
+            stage.finish(group_id, failed_size, total_size)
+
+
+EMPTY = RoundPipeline()
+_included: List[RoundStage] = []  # the stages of the `including` blocks open in the training process
+_running: Optional[RoundPipeline] = None  # in an averager's process: the pipeline of the averager it runs
+
+
+@contextlib.contextmanager
+def including(stage: Optional[RoundStage]) -> Iterator[None]:
+    """Averagers started inside this block carry `stage` (None: nothing), after those of enclosing blocks."""
+    if stage is None:
+        yield
+        return
+    _included.append(stage)
+    try:
+        yield
+    finally:
+        _included.remove(stage)
+
+
+def attach(averager, averaged_tensors: Sequence[torch.Tensor], always: Sequence[RoundStage] = ()) -> RoundPipeline:
+    """As an averager starts, in the training process: the included stages and `always` become its pipeline."""
+    pipeline = RoundPipeline([*_included, *always])
+    pipeline.prepare(averaged_tensors)
+    setattr(averager, _ATTRIBUTE, pipeline)
+    return pipeline
+
+
+def of(averager) -> RoundPipeline:
+    """The pipeline an averager carries (an empty one for an averager built before the adapter was installed)."""
+    return getattr(averager, _ATTRIBUTE, EMPTY)
+
+
+def run_here(averager) -> None:
+    """First thing in the averager's own process (one averager per process): its pipeline is this process's."""
+    global _running
+    _running = of(averager)
+
+
+def running() -> RoundPipeline:
+    """In an averager's process, for hivemind code that has no averager at hand (matchmaking, stubs)."""
+    return _running or EMPTY
