@@ -67,5 +67,6 @@ def shown_peers(chrome) -> set:
 
 
 def screenshot_path(tmp_path: Path) -> Path:
-    """Where the page's screenshot goes: the test's directory, or SWARM_PAGE_SCREENSHOT (how the README's is made)."""
+    """Where the page's screenshot goes: the test's directory, or SWARM_PAGE_SCREENSHOT (how
+    docs/images/swarm-page.png is made)."""
     return Path(os.environ.get("SWARM_PAGE_SCREENSHOT") or tmp_path / "swarm-page.png")
