@@ -2,6 +2,7 @@
 
 - api.py: what the training loop and the swarm session may ask of a strategy, and plain data;
 - config.py: AveragingConfig, checked at load time without importing torch or hivemind;
+- registry.py: every strategy declared once (name, help, config section, shared settings, payload, builder);
 - deadlines.py: adaptive matchmaking time and averaging timeout;
 - strategies/: the averaging strategies and how one is built;
 - pipeline/: what happens to a contribution in a round: error feedback, robust reduction, exclusion,

@@ -1,10 +1,11 @@
-"""What the training loop may ask of an optimizer, whatever its averaging strategy.
+"""What the training loop and the swarm session may ask of an optimizer, whatever its averaging strategy.
 
 This is the bottom of the averaging package: plain data (RoundReport, SwarmView), the callbacks
-an optimizer reports through (AveragingHooks), what it is built for (Replica), and the
-SwarmOptimizer Protocol. The loop in peer/ uses these names and nothing else of averaging's
-internals: no tracker, no averager, no hivemind object. A strategy (averaging/strategies/sync.py,
-averaging/strategies/diloco.py) implements the Protocol; tests implement it with a fake.
+an optimizer reports through (AveragingHooks), what it is built for (Replica), and two narrow
+Protocols: LoopOptimizer, what the training loop uses, and SessionOptimizer, what the swarm session
+uses (both read SwarmProgress). peer/ uses these names and nothing else of averaging's internals: no
+tracker, no averager, no hivemind object. Every strategy (averaging/registry.py) implements both,
+as SwarmOptimizer; tests implement them with fakes.
 
 This module imports no hivemind and no strategy.
 """
@@ -98,16 +99,44 @@ class Replica:
 
 
 @runtime_checkable
-class SwarmOptimizer(Protocol):
-    """Exactly what the training loop uses. Every strategy implements it."""
+class SwarmProgress(Protocol):
+    """What both callers read: the epoch, the swarm's progress, and a state download."""
 
     @property
     def local_epoch(self) -> int:
         """The global epoch this peer's parameters belong to."""
 
+    def swarm_view(self, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
+        """The swarm's progress; with a timeout, fetched afresh first (waiting at most that long)."""
+
+    def load_state_from_peers(self) -> bool:
+        """Download the swarm's newest state, with bounded attempts; True if a peer's state was loaded."""
+
+
+@runtime_checkable
+class LoopOptimizer(SwarmProgress, Protocol):
+    """What the training loop uses (peer/runtime/trainer.py, and its checkpoints: peer/runtime/resume.py)."""
+
     @property
     def scheduler(self) -> Optional[Any]:
         """The task's LR scheduler (stepped once per global epoch), or None."""
+
+    def step(self, batch_size: Optional[int] = None) -> None:
+        """Account one local batch (gradients are in the parameters' .grad); may average or download."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def wait_for_background_updates(self) -> None:
+        """Apply any in-flight background update, so that the parameters are final (before a checkpoint)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+@runtime_checkable
+class SessionOptimizer(SwarmProgress, Protocol):
+    """What the swarm session uses (peer/runtime/session.py): joining, the deadlines, leaving with the swarm's state."""
 
     @property
     def deadlines(self) -> Deadlines:
@@ -122,19 +151,8 @@ class SwarmOptimizer(Protocol):
     def downloaded_at_epoch(self) -> Optional[int]:
         """The epoch of the last state this peer downloaded (None if it never did)."""
 
-    def step(self, batch_size: Optional[int] = None) -> None:
-        """Account one local batch (gradients are in the parameters' .grad); may average or download."""
-
-    def zero_grad(self, set_to_none: bool = True) -> None: ...
-
-    def swarm_view(self, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
-        """The swarm's progress; with a timeout, fetched afresh first (waiting at most that long)."""
-
     def announce(self) -> None:
         """Publish this peer's progress record now, even with no samples yet, so that others count it."""
-
-    def load_state_from_peers(self) -> bool:
-        """Download the swarm's newest state, with bounded attempts; True if a peer's state was loaded."""
 
     def load_state_from_donor_ahead(self) -> bool:
         """If another peer offers a state at this peer's epoch or later, download it now; True if one was loaded.
@@ -145,12 +163,11 @@ class SwarmOptimizer(Protocol):
         """Rank this peer's state first among donors at its epoch, once its updates are applied; True once
         the swarm can see that (leaving peers whose last round failed then download from this one)."""
 
-    def wait_for_background_updates(self) -> None:
-        """Apply any in-flight background update, so that the parameters are final (before a checkpoint)."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state_dict: dict) -> None: ...
-
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
         """Leave the swarm: stop the background processes, with bounded waits."""
+
+
+@runtime_checkable
+class SwarmOptimizer(LoopOptimizer, SessionOptimizer, Protocol):
+    """Both sides: what every strategy builds (averaging/registry.py), and the composition root hands each caller
+    the side it uses."""

@@ -11,12 +11,21 @@ from typing import List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-STRATEGIES = ("sync", "local-sgd", "powersgd", "diloco")
+from averaging.registry import DEFAULT_STRATEGY, STRATEGIES, STRATEGY_NAMES, accepting
+
 CODECS = ("none", "fp16", "scaled-fp16", "uint8", "quantile8", "blockwise8", "int8", "int4", "topk", "adaptive")
 LARGE_CODECS = ("uint8", "quantile8", "blockwise8")
 FEEDBACK_CODECS = ("int8", "int4", "topk")  # ours: their replies are dense fp16 (averaging/pipeline/error_feedback.py)
 BITSANDBYTES_INSTALL = "pip install 'swarmtrain[bitsandbytes]'"
 AUTO = "auto"
+REFUSABLE = {
+    "delay_updates": ("--delay-updates does not work with", "drop --delay-updates or use"),
+    "offload_optimizer": ("--offload-optimizer does not work with", "drop --offload-optimizer or use"),
+    "error_feedback": ("--error-feedback on does not apply to", "use --error-feedback auto or"),
+    "average_opt_statistics": ("--average-opt-statistics does not apply to", "drop --average-opt-statistics or use"),
+}
+"""The settings a strategy may refuse (Strategy.refuses, averaging/registry.py): how the error names each one
+once it is switched on, and its way out."""
 
 Seconds = Union[float, Literal["auto"]]
 
@@ -46,12 +55,11 @@ class AveragingConfig(BaseModel):
         ge=1,
         description="Samples the whole swarm accumulates per global epoch (one averaged optimizer step).",
     )
-    strategy: Literal["sync", "local-sgd", "powersgd", "diloco"] = Field(
-        default="sync",
+    strategy: Literal[STRATEGY_NAMES] = Field(
+        default=DEFAULT_STRATEGY,
         json_schema_extra={"cli_name": "averaging"},
-        description="How peers combine their work: sync (average gradients, same update everywhere), local-sgd "
-        "(local steps, average parameters every --average-state-every epochs), powersgd (low-rank gradient "
-        "averaging), diloco (--diloco-inner-steps local steps, then an outer Nesterov step on averaged deltas).",
+        description="How peers combine their work: "
+        + ", ".join(f"{strategy.name} ({strategy.help})" for strategy in STRATEGIES.values()) + ".",
     )
     matchmaking_seconds: Seconds = Field(
         default=5.0,
@@ -267,50 +275,34 @@ class AveragingConfig(BaseModel):
                 "--delay-updates needs --offload-optimizer (the delayed step runs on the offloaded host copy); "
                 "add --offload-optimizer or drop --delay-updates"
             )
-        if self.delay_updates and self.strategy in ("local-sgd", "diloco"):
-            raise ValueError(
-                f"--delay-updates does not work with --averaging {self.strategy} (it delays gradient averaging, "
-                f"which {self.strategy} does not do); drop --delay-updates or use --averaging sync/powersgd"
-            )
-        if self.offload_optimizer and self.strategy in ("local-sgd", "diloco"):
-            why = {
-                "local-sgd": "hivemind 1.1.12 never feeds local gradients to an offloaded optimizer with local updates",
-                "diloco": "its outer state already lives in host memory and the inner optimizer steps every batch",
-            }[self.strategy]
-            raise ValueError(
-                f"--offload-optimizer does not work with --averaging {self.strategy} ({why}); "
-                f"drop --offload-optimizer or use --averaging sync/powersgd"
-            )
         if self.error_feedback == "on" and self.grad_compression not in FEEDBACK_CODECS:
             raise ValueError(
                 f"--error-feedback on needs --grad-compression int8, int4 or topk (got {self.grad_compression}: "
                 f"{'it loses nothing' if self.grad_compression == 'none' else 'its replies are lossy too'}); "
                 f"pick one of those codecs or use --error-feedback auto"
             )
-        if self.error_feedback == "on" and self.strategy not in ("sync", "diloco"):
-            why = {"local-sgd": "it averages parameters, not gradients",
-                   "powersgd": "PowerSGD carries its own error feedback"}[self.strategy]
-            raise ValueError(
-                f"--error-feedback on does not apply to --averaging {self.strategy} ({why}); "
-                f"use --error-feedback auto or --averaging sync/diloco"
-            )
-        if self.diloco_overlap and self.strategy != "diloco":
-            raise ValueError(
-                f"--diloco-overlap needs --averaging diloco (got {self.strategy}: it overlaps DiLoCo's outer rounds); "
-                f"add --averaging diloco or drop --diloco-overlap"
-            )
-        if self.average_opt_statistics and self.strategy == "diloco":
-            raise ValueError(
-                "--average-opt-statistics does not apply to --averaging diloco (it averages pseudo-gradients, not "
-                "state); drop --average-opt-statistics or use --averaging local-sgd"
-            )
+        for setting, (says, way_out) in REFUSABLE.items():
+            why = STRATEGIES[self.strategy].refuses.get(setting)
+            if why is not None and self._switched_on(setting):
+                raise ValueError(f"{says} --averaging {self.strategy} ({why}); {way_out} --averaging "
+                                 f"{'/'.join(accepting(setting))}")
+        for owner in STRATEGIES.values():  # a switch of another strategy's section
+            for setting in owner.settings:
+                if owner.name != self.strategy and getattr(self, setting) is True:
+                    flag = "--" + setting.replace("_", "-")
+                    raise ValueError(f"{flag} needs --averaging {owner.name} (got {self.strategy}: only {owner.name} "
+                                     f"reads it); add --averaging {owner.name} or drop {flag}")
         return self
 
     @property
     def uses_error_feedback(self) -> bool:
         """Whether the gradient (DiLoCo: pseudo-gradient) averager carries its codec's loss between rounds."""
         return (self.error_feedback != "off" and self.grad_compression in FEEDBACK_CODECS
-                and self.strategy in ("sync", "diloco"))
+                and "error_feedback" not in STRATEGIES[self.strategy].refuses)
+
+    def _switched_on(self, setting: str) -> bool:
+        value = getattr(self, setting)
+        return value == "on" if isinstance(value, str) else bool(value)
 
     def seconds(self, name: str) -> Optional[float]:
         """A deadline as a float, or None when it is 'auto'."""

@@ -151,7 +151,7 @@ class Ways:
 
         # daemon: assembled by the same builder as `peer start`, torn down by closing the stack
         builder = PeerBuilder(self.config, StopRequest(), self._stack)
-        monitoring = builder.monitoring(self.device, "sync", "none")
+        monitoring = builder.monitoring(self.device)
         self.dht = builder.dht()
         self.trainer = trainer = builder.training(
             self.task, self.device, precision, self.dht, monitoring, ProgressDisplay(HUGE_TARGET, interactive=False))

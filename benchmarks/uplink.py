@@ -11,7 +11,11 @@ rate, reversed at the next):
 - ``diloco-fp32``, ``diloco-int4-ef``, ``diloco-topk-ef``: DiLoCo with a target batch ``--diloco-factor``
   times larger (each peer takes that many times more local steps per round, ``--diloco-inner-steps`` of them
   at most), pseudo-gradients averaged in fp32, int4 or top-k, the last two with error feedback;
-- ``diloco-int4-ef-overlap``: the same as diloco-int4-ef with ``--diloco-overlap``.
+- ``diloco-int4-ef-overlap``: the same as diloco-int4-ef with ``--diloco-overlap``;
+- ``none``: no averaging (``--averaging none``: each peer trains its own replica alone, at the sync setups'
+  target batch): the baseline, with the wire bytes of the DHT alone and the loss that averaging must beat.
+
+Each setup's name begins with the strategy it runs (averaging/registry.py), which gives its ``--averaging``.
 
 The sync setups average parameters only every ``--average-state-every`` 1000 epochs (never, here):
 that is hivemind's drift repair, not part of what the papers compare against.
@@ -38,7 +42,7 @@ Needs root (network namespaces, tc). Usage (from the repository root)::
 
     python -m benchmarks.uplink --quick     # 20 and 100 Mbit/s, 4096 samples per run (about 20 minutes)
     python -m benchmarks.uplink             # 8192 samples per run
-    python -m benchmarks.uplink --smoke     # 2 setups at 100 Mbit/s, 256 samples, bytelm-tiny; for tests
+    python -m benchmarks.uplink --smoke     # 3 setups at 100 Mbit/s, 256 samples, bytelm-tiny; for tests
 
 JSON ``results``: ``task``, ``samples``, ``target_batch_size``, ``diloco_target_batch_size``, ``rates``,
 ``target_val_loss``, ``plot``, ``runs`` (one per rate and setup: ``rate``, ``setup``, ``flags``, ``seconds``,
@@ -63,19 +67,26 @@ from typing import Dict, List, Optional
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from averaging.registry import STRATEGIES, Strategy  # noqa: E402 (after the path fix above)
 from benchmarks import common, netns  # noqa: E402 (after the path fix above)
 
 NAME = "uplink"
-SETUPS: Dict[str, List[str]] = {
-    "sync-fp32": ["--averaging", "sync"],
-    "sync-fp16": ["--averaging", "sync", "--grad-compression", "fp16"],
-    "sync-int8-ef": ["--averaging", "sync", "--grad-compression", "int8"],
-    "diloco-fp32": ["--averaging", "diloco"],
-    "diloco-int4-ef": ["--averaging", "diloco", "--grad-compression", "int4"],
-    "diloco-topk-ef": ["--averaging", "diloco", "--grad-compression", "topk"],
-    "diloco-int4-ef-overlap": ["--averaging", "diloco", "--grad-compression", "int4", "--diloco-overlap"],
+SETUPS: Dict[str, List[str]] = {  # each setup's flags besides --averaging, which its name gives (strategy_of)
+    "sync-fp32": [],
+    "sync-fp16": ["--grad-compression", "fp16"],
+    "sync-int8-ef": ["--grad-compression", "int8"],
+    "diloco-fp32": [],
+    "diloco-int4-ef": ["--grad-compression", "int4"],
+    "diloco-topk-ef": ["--grad-compression", "topk"],
+    "diloco-int4-ef-overlap": ["--grad-compression", "int4", "--diloco-overlap"],
+    "none": [],
 }
 STOP_GRACE_SECONDS = 60.0
+
+
+def strategy_of(setup: str) -> Strategy:
+    """The strategy a setup runs: the one its name begins with."""
+    return next(strategy for name, strategy in STRATEGIES.items() if setup == name or setup.startswith(f"{name}-"))
 
 
 def interpolate(curve: List[dict], samples: float) -> Optional[float]:
@@ -97,11 +108,13 @@ async def one_run(run: common.Run, bridge: netns.Bridge, rate: str, setup: str, 
     from peer.telemetry.events import EpochEnded, Ready
     from peer.testing import PeerFailed, Swarm
 
-    diloco = setup.startswith("diloco")
-    target = settings["diloco_target_batch_size"] if diloco else settings["target_batch_size"]
+    strategy = strategy_of(setup)
+    inner_steps = strategy.uses("diloco_inner_steps")  # rounds of many local steps each: a larger target batch
+    target = settings["diloco_target_batch_size"] if inner_steps else settings["target_batch_size"]
     epochs = max(1, settings["samples"] // target)
-    flags = [*SETUPS[setup], "--target-batch-size", str(target), "--max-epochs", str(epochs)]
-    if diloco:
+    flags = ["--averaging", strategy.name, *SETUPS[setup], "--target-batch-size", str(target),
+             "--max-epochs", str(epochs)]
+    if inner_steps:
         flags += ["--diloco-inner-steps", str(settings["diloco_inner_steps"])]
     else:
         flags += ["--average-state-every", "1000"]
@@ -226,7 +239,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     run = common.Run(NAME, mode, args.output)
     rates = (args.rates or common.by_mode(mode, smoke="100mbit", quick="20mbit,100mbit", full="20mbit,100mbit"))
-    setups = (args.setups or common.by_mode(mode, smoke="sync-fp32,diloco-int4-ef", quick="", full="")).split(",")
+    setups = (args.setups or common.by_mode(mode, smoke="sync-fp32,diloco-int4-ef,none", quick="", full="")).split(",")
     setups = [setup for setup in SETUPS if setup in setups or setups == [""]]
     samples = args.samples or common.by_mode(mode, smoke=256, quick=4096, full=8192)
     batch_size = 32

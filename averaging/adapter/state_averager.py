@@ -6,7 +6,7 @@
 - ReportingStateAverager also reports every parameter-averaging round: local-sgd's only rounds, and
   sync's rounds that undo drift (a peer left out of its group's last one is apart from it).
 
-Both override upstream methods; averaging/adapter/ fingerprints what they override.
+Both override upstream methods, fingerprinted in averaging/adapter/upstream.py.
 """
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 
 `make_codec` is the only place that knows which hivemind class a name stands for.
 `payload_bytes` measures what a list of tensors costs on the wire under a codec (the
-serialized buffers, as hivemind sends them), so that byte counters and the README's
-arithmetic use one number. `round_payload_bytes` says which tensors one averaging round
-of each strategy sends, and what the replies to them weigh. This module must not start anything
-or touch the network. The 8-bit codecs decode only with the hivemind adapter (averaging/adapter/) installed
-(a numpy 2 fix).
+serialized buffers, as hivemind sends them), so that byte counters and the docs' (docs/strategies.md)
+arithmetic use one number. `round_payload_bytes` sizes what one averaging round of a strategy
+sends (its Payload in averaging/registry.py), and what the replies to it weigh. This module must
+not start anything or touch the network. The 8-bit codecs decode only with the hivemind adapter
+(averaging/adapter/) installed (a numpy 2 fix).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from hivemind.utils.math import get_flatten_greedy_dims
 
 from averaging.codecs.lowbit import TOPK_FRACTION, BlockwiseAbsmax, TopK
 from averaging.config import BITSANDBYTES_INSTALL, CODECS, AveragingConfig, bitsandbytes_available
+from averaging.registry import LOW_RANK, STATE, STRATEGIES
 
 _FIXED = {
     "none": NoCompression,
@@ -116,20 +117,30 @@ def reply_codec(codec: CompressionBase) -> CompressionBase:
     return Float16Compression() if isinstance(codec, (BlockwiseAbsmax, TopK)) else codec
 
 
+def round_codec(config: AveragingConfig) -> str:
+    """The name of the codec one averaging round of the configured strategy sends in; "none" if it sends nothing."""
+    payload = STRATEGIES[config.strategy].payload
+    return "none" if payload is None else getattr(config, payload.codec_setting)
+
+
 def round_payload_bytes(config: AveragingConfig, params: Sequence[torch.Tensor], opt_statistics: int = 0) -> int:
     """Bytes of one peer's contribution to one averaging round of the configured strategy, plus the replies to
-    it. In a group of N, each peer sends (N-1)/N of that, and receives as much (it reduces 1/N of everyone's).
+    it (the strategy's Payload, averaging/registry.py). In a group of N, each peer sends (N-1)/N of that, and
+    receives as much (it reduces 1/N of everyone's).
 
-    :param opt_statistics: how many parameter-shaped optimizer tensors local-sgd averages along
+    :param opt_statistics: how many parameter-shaped optimizer tensors a round of the parameters averages along
     """
+    payload = STRATEGIES[config.strategy].payload
+    if payload is None:
+        return 0
     params = [p.detach() for p in params]
-    if config.strategy == "local-sgd":
-        codec, sent = configured_codec(config, config.state_compression), params * (1 + opt_statistics)
-    elif config.strategy == "powersgd":
-        codec = configured_codec(config, config.grad_compression)
+    codec = configured_codec(config, getattr(config, payload.codec_setting))
+    if payload.tensors == STATE:
+        sent = params * (1 + opt_statistics)
+    elif payload.tensors == LOW_RANK:
         sent = powersgd_factors(params, config.powersgd_rank)
-    else:  # sync gradients, or DiLoCo pseudo-gradients: one tensor per parameter
-        codec, sent = configured_codec(config, config.grad_compression), params
+    else:  # GRADIENTS: one tensor per parameter
+        sent = params
     return payload_bytes(sent, codec) + payload_bytes(sent, reply_codec(codec))
 
 

@@ -33,66 +33,41 @@ load_state_from_peers brings params + outer momentum + inner optimizer state + e
 whose round was partial or failed while others exist downloads the state of a peer whose round
 was whole (averaging/strategies/rounds.py), so one lost round does not leave it apart for good.
 
-It implements the SwarmOptimizer Protocol (averaging/api.py) on hivemind's public pieces
-(DecentralizedAverager, ProgressTracker) and the guarded state averager (averaging/strategies/state.py). This
-module must not know about metrics or the CLI; it reports through AveragingHooks.
+The outer round itself (the all-reduce, in the foreground or in flight, and the outer step) is
+averaging/strategies/outer.py; what DiLoCo does alike with the sync strategies is
+averaging/strategies/membership.py. It implements the Protocols of averaging/api.py on hivemind's
+public pieces (DecentralizedAverager, ProgressTracker) and the guarded state averager
+(averaging/adapter/state_averager.py); build_diloco is its builder (averaging/registry.py names it).
+This module must not know about metrics or the CLI; it reports through AveragingHooks.
 """
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import nullcontext
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.control import StepControl
 from hivemind.optim.progress_tracker import ProgressTracker
 
-from averaging.api import Replica, RoundReport, SwarmView
+from averaging.adapter.state_averager import GuardedStateAverager
+from averaging.api import Replica, RoundReport
 from averaging.codecs.compression import configured_codec
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
-from averaging.pipeline import completeness
 from averaging.pipeline.error_feedback import ErrorFeedback
-from averaging.pipeline.guards import all_finite
 from averaging.pipeline.round_pipeline import including
+from averaging.strategies.membership import SharesState, join_or_terminate, step_scheduler_to
+from averaging.strategies.outer import OuterRound, collect_round, launch_round, outer_nesterov_step_
+from averaging.strategies.parts import StrategyParts
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
-from averaging.strategies.state import GuardedStateAverager
 from averaging.swarm import progress
-from averaging.swarm.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
 
 logger = logging.getLogger(__name__)
 
 
-@torch.no_grad()
-def outer_nesterov_step_(
-    params: Sequence[torch.Tensor], momenta: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-    lr: float, momentum: float,
-) -> None:
-    """In place, what torch.optim.SGD(lr, momentum, nesterov=True, dampening=0) does with these grads."""
-    for param, velocity, grad in zip(params, momenta, grads):
-        velocity.mul_(momentum).add_(grad)
-        param.sub_(grad.add(velocity, alpha=momentum), alpha=lr)
-
-
-@dataclass
-class _Flight:
-    """An outer round under way: its all-reduce, and this peer's pseudo-gradient to fall back on."""
-
-    pseudo_grads: List[torch.Tensor]
-    started: float
-    deadline: float
-    control: Optional[StepControl] = None
-    outcome: Optional[Tuple[RoundReport, List[torch.Tensor]]] = None  # known at launch: skipped, or failed
-
-    def landed(self) -> bool:
-        return self.outcome is not None or self.control.done()
-
-
-class DiLoCoOptimizer:
-    """The SwarmOptimizer Protocol for DiLoCo."""
+class DiLoCoOptimizer(SharesState):
+    """The Protocols of averaging/api.py for DiLoCo."""
 
     def __init__(
         self,
@@ -163,35 +138,21 @@ class DiLoCoOptimizer:
         self._apply_deadlines(self.rounds.deadlines.current)
         self._inner_steps = self._samples = self._samples_stepped = 0
         self._check_sync_on_next_step = True
-        self._flight: Optional[_Flight] = None  # --diloco-overlap: the round whose average has not landed yet
+        self._flight: Optional[OuterRound] = None  # --diloco-overlap: the round whose average has not landed yet
 
-    # --- the SwarmOptimizer Protocol -----------------------------------------------------------
+    # --- the Protocols, beyond what SharesState already offers ------------------------------
 
     @property
     def local_epoch(self) -> int:
         return self.state_averager.local_epoch
 
     @property
-    def scheduler(self):
-        return self.state_averager.scheduler
-
-    @property
     def deadlines(self) -> Deadlines:
         return self._deadlines
 
     @property
-    def apart(self) -> bool:
-        return self.rounds.apart
-
-    @property
-    def downloaded_at_epoch(self) -> Optional[int]:
-        return self.rounds.downloaded_at_epoch
-
-    def swarm_view(self, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
-        return progress.swarm_view(self.tracker, refresh_timeout_seconds)
-
-    def announce(self) -> None:
-        progress.announce(self.tracker, self.signing_key)
+    def donor_averagers(self) -> Tuple:
+        return (self.state_averager,)  # the outer averager holds no state
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
@@ -238,7 +199,7 @@ class DiLoCoOptimizer:
             self._load_round_start_into_model()
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
                 self.state_averager.local_epoch = self.tracker.global_epoch
-                self._update_scheduler()
+                step_scheduler_to(self.scheduler, self.local_epoch)
             self._start_next_round()
         if loaded:
             progress.served(self.tracker, self.local_epoch)
@@ -276,9 +237,6 @@ class DiLoCoOptimizer:
             self.error_feedback.load_state_dict((outer or {}).get("error_feedback"))
         self.tracker.report_local_progress(self.local_epoch, 0)
 
-    def offer_final_state(self) -> bool:
-        return offer_state((self.state_averager,), self.local_epoch)
-
     def wait_for_background_updates(self) -> None:
         """Land the round in flight (--diloco-overlap), within its averaging timeout; without overlap, nothing
         runs in the background between rounds."""
@@ -292,9 +250,7 @@ class DiLoCoOptimizer:
         for averager in (self.state_averager, self.grad_averager):
             if averager.is_alive():
                 averager.shutdown()
-                averager.join(timeout_seconds)
-                if averager.is_alive():
-                    averager.terminate()
+        join_or_terminate((self.state_averager, self.grad_averager), timeout_seconds)
         self.rounds.close()
 
     # --- one outer round -----------------------------------------------------------------------
@@ -320,19 +276,15 @@ class DiLoCoOptimizer:
                                          self.config.outer_momentum)
                 self._load_round_start_into_model()
             self.state_averager.local_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
-            self._update_scheduler()
+            step_scheduler_to(self.scheduler, self.local_epoch)
             self._start_next_round()
         if report is not None:
             self._round_finished(report)
 
     def _round_finished(self, report: RoundReport) -> None:
         # others may have averaged without us: then take their state
-        self.rounds.finish_round(report, others_present=self.tracker.global_progress.num_peers > 1)
-        if self.rounds.apart:
-            declare_apart((self.state_averager,), self.local_epoch)
-        retuned = self.rounds.retune(self.swarm_view())
-        if retuned is not None:
-            self._apply_deadlines(retuned)
+        self.rounds.finish_round(report, others_present=self._others_present())
+        self._after_round()
 
     def _land(self) -> None:
         """Apply the round in flight: the outer step, and the same move to the model, which keeps the progress
@@ -352,57 +304,19 @@ class DiLoCoOptimizer:
 
     def _abandon_flight(self) -> None:
         flight, self._flight = self._flight, None
-        if flight is not None and flight.control is not None and not flight.control.done():
-            flight.control.cancel()
+        if flight is not None:
+            flight.cancel()
         if flight is not None and not self.client_mode:
             self.state_averager.allow_state_sharing = True
 
-    def _launch(self, pseudo_grads: List[torch.Tensor]) -> _Flight:
-        """Start averaging pseudo-gradients with a group (alone: nothing to average)."""
-        started = time.monotonic()
-        flight = _Flight(pseudo_grads, started, started + self._deadlines.averaging_timeout_seconds)
-        if self.tracker.global_progress.num_peers <= 1:
-            flight.outcome = RoundReport("skipped", 0.0, 1, "no other peers"), pseudo_grads
-            return flight
-        with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
-            for buffer, grad in zip(buffers, pseudo_grads):
-                buffer.copy_(grad)
-        try:
-            self.rounds.hooks.before_round(self.local_epoch)
-            # weighted like the sync strategy's gradients: by the samples this peer took inner steps on
-            flight.control = self.grad_averager.step(weight=float(max(1, self._samples_stepped)),
-                                                     timeout=self._deadlines.averaging_timeout_seconds, wait=False)
-        except BaseException as e:  # hivemind raises many kinds; all of them mean "use the local delta"
-            flight.outcome = self._failed(flight, e)
-        return flight
+    def _launch(self, pseudo_grads: List[torch.Tensor]) -> OuterRound:
+        # weighted like the sync strategy's gradients: by the samples this peer took inner steps on
+        return launch_round(self.grad_averager, pseudo_grads, weight=float(max(1, self._samples_stepped)),
+                            timeout_seconds=self._deadlines.averaging_timeout_seconds, alone=not self._others_present(),
+                            before_round=lambda: self.rounds.hooks.before_round(self.local_epoch))
 
-    def _collect(self, flight: _Flight) -> Tuple[RoundReport, List[torch.Tensor]]:
-        """The round's report and the average, waiting at most until its deadline; on any failure, this peer's
-        own pseudo-gradient."""
-        if flight.outcome is not None:
-            return flight.outcome
-        try:
-            gathered = flight.control.result(timeout=max(0.0, flight.deadline - time.monotonic()))
-            with torch.no_grad(), self.grad_averager.get_tensors() as buffers:
-                averaged = [buffer.clone() for buffer in buffers]
-        except BaseException as e:
-            if not flight.control.done():
-                flight.control.cancel()
-            return self._failed(flight, e)
-        seconds = time.monotonic() - flight.started
-        if not all_finite(averaged):  # a peer sent NaN/Inf: never apply it
-            logger.warning("the averaged pseudo-gradients hold NaN or Inf; using this peer's own")
-            return RoundReport("failed", seconds, len(gathered), "non-finite result"), flight.pseudo_grads
-        report = completeness.round_report(self.grad_averager, seconds, len(gathered))
-        if report.outcome == "partial":  # still nearer the swarm's than this peer's own
-            logger.warning(f"outer averaging round partial ({report.reason})")
-        return report, averaged
-
-    @staticmethod
-    def _failed(flight: _Flight, error: BaseException) -> Tuple[RoundReport, List[torch.Tensor]]:
-        outcome = "timeout" if isinstance(error, TimeoutError) else "failed"
-        logger.warning(f"outer averaging round {outcome} ({error!r}); using this peer's pseudo-gradient")
-        return RoundReport(outcome, time.monotonic() - flight.started, 1, repr(error)), flight.pseudo_grads
+    def _collect(self, flight: OuterRound) -> Tuple[RoundReport, List[torch.Tensor]]:
+        return collect_round(self.grad_averager, flight)
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -410,23 +324,12 @@ class DiLoCoOptimizer:
         """Upstream hivemind.Optimizer's rule, plus a resync after a round that left this peer apart."""
         if not self.rounds.download_allowed():
             return False
-        if self.rounds.take_resync(self._donors, self._become_reference):
-            return True
-        if self.rounds.behind_after_settling(self.local_epoch, self.swarm_view):
+        if self._resync_due():
             return True
         if self._check_sync_on_next_step and self.tracker.fetched_global_progress_this_epoch.is_set():
             self._check_sync_on_next_step = False
             return self.local_epoch != self.tracker.global_epoch
         return self.local_epoch < self.tracker.global_epoch - 1
-
-    def load_state_from_donor_ahead(self) -> bool:
-        return self._donors().ahead and self.load_state_from_peers()
-
-    def _donors(self) -> DonorView:
-        return donor_view(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
-
-    def _become_reference(self) -> None:
-        declare_whole((self.state_averager,), self.local_epoch)
 
     def _start_next_round(self) -> None:
         """Reset the round's counters and tell the swarm (caller holds tracker.pause_updates())."""
@@ -448,13 +351,14 @@ class DiLoCoOptimizer:
             for start, param in zip(self.global_params, self.main_parameters):
                 start.copy_(param.detach())
 
-    def _update_scheduler(self) -> None:
-        """Step the LR scheduler until it matches the epoch (as hivemind's state averager does)."""
-        scheduler = self.state_averager.scheduler
-        if scheduler is not None:
-            while scheduler._step_count <= self.local_epoch:
-                scheduler.step()
-
     def _apply_deadlines(self, deadlines: Deadlines) -> None:
         self._deadlines = deadlines
         set_matchmaking_window([self.grad_averager], deadlines.matchmaking_seconds)
+
+
+def build_diloco(config: AveragingConfig, replica: Replica, parts: StrategyParts) -> DiLoCoOptimizer:
+    return DiLoCoOptimizer(
+        config, replica, rounds=parts.rounds, tracker_opts=parts.tracker_opts, averager_opts=parts.averager_opts,
+        matchmaking_floor=parts.matchmaking_floor, allreduce_timeout=parts.allreduce_timeout,
+        error_feedback=parts.error_feedback,
+    )

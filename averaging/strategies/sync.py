@@ -1,8 +1,11 @@
 """SyncOptimizer: hivemind.Optimizer, instrumented and hardened; the sync, local-sgd and powersgd strategies.
 
+build_sync, build_local_sgd and build_powersgd are their builders (averaging/registry.py names them):
+the same optimizer, configured three ways.
+
 What it adds to hivemind's optimizer:
-- the SwarmOptimizer Protocol (averaging/api.py), so the training loop never reads hivemind's
-  tracker or averagers;
+- the Protocols of averaging/api.py (SwarmOptimizer), so the training loop and the swarm session never
+  read hivemind's tracker or averagers (what it shares with DiLoCo: averaging/strategies/membership.py);
 - every averaging round reports an outcome (ok, partial, failed, timeout, skipped), its duration and
   group size, and its blocking time is timed as the `averaging` phase; downloading state is timed as
   `state_sync` (averaging/strategies/rounds.py);
@@ -18,34 +21,37 @@ What it adds to hivemind's optimizer:
 - with error feedback, the gradient averager carries its codec's loss between rounds; the residuals
   are checkpointed and dropped when state is downloaded (averaging/pipeline/error_feedback.py).
 
-It overrides upstream methods; averaging/adapter/ fingerprints each of them.
+It changes hivemind's Optimizer only through the hooks of averaging/adapter/optimizer.py.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from functools import partial
+from typing import Tuple
 
-import hivemind
+from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
-from averaging.api import RoundReport, SwarmView
+from averaging.adapter.optimizer import HookedOptimizer
+from averaging.adapter.state_averager import ReportingStateAverager
+from averaging.api import Replica, RoundReport
+from averaging.codecs.compression import codecs_from_config
+from averaging.config import AveragingConfig
 from averaging.deadlines import Deadlines
 from averaging.pipeline import completeness
-from averaging.pipeline.error_feedback import ErrorFeedback
 from averaging.pipeline.guards import all_finite
-from averaging.pipeline.round_pipeline import including
+from averaging.strategies.membership import SharesState, join_or_terminate
+from averaging.strategies.parts import StrategyParts
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
-from averaging.strategies.state import ReportingStateAverager
 from averaging.swarm import progress
-from averaging.swarm.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
 from dht.keys import SwarmKeys
 
 logger = logging.getLogger(__name__)
 
 
-class SyncOptimizer(hivemind.Optimizer):
+class SyncOptimizer(SharesState, HookedOptimizer):
     """hivemind.Optimizer with round reports, phase timing, guards and bounded state download."""
 
     def __init__(
@@ -55,11 +61,9 @@ class SyncOptimizer(hivemind.Optimizer):
         rounds: RoundKeeper,
         signing_key: RSAPrivateKey,
         report_state_rounds: bool = False,
-        error_feedback: Optional[ErrorFeedback] = None,
         **kwargs,
     ):
         self.keys, self.rounds, self.signing_key = keys, rounds, signing_key
-        self.error_feedback = error_feedback  # before super().__init__, which builds the gradient averager
         self.report_state_rounds = report_state_rounds
         requested_client_mode = kwargs.get("client_mode")
         super().__init__(run_id=keys.namespace, **kwargs)
@@ -73,29 +77,15 @@ class SyncOptimizer(hivemind.Optimizer):
         if rounds.deadlines.auto:
             self._apply_deadlines(rounds.deadlines.current)
 
-    # --- the SwarmOptimizer Protocol, beyond what hivemind.Optimizer already offers --------------
-
-    @property
-    def scheduler(self):
-        return self.state_averager.scheduler
+    # --- the Protocols, beyond what hivemind.Optimizer and SharesState already offer ---------------
 
     @property
     def deadlines(self) -> Deadlines:
         return Deadlines(self.matchmaking_time, self.averaging_timeout)
 
     @property
-    def apart(self) -> bool:
-        return self.rounds.apart
-
-    @property
-    def downloaded_at_epoch(self) -> Optional[int]:
-        return self.rounds.downloaded_at_epoch
-
-    def swarm_view(self, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
-        return progress.swarm_view(self.tracker, refresh_timeout_seconds)
-
-    def announce(self) -> None:
-        progress.announce(self.tracker, self.signing_key)
+    def donor_averagers(self) -> Tuple:
+        return self.state_averager, self.grad_averager
 
     def load_state_from_peers(self, **kwargs) -> bool:
         """Upstream's, with a bounded number of attempts instead of `while True`; True if state was loaded."""
@@ -119,10 +109,6 @@ class SyncOptimizer(hivemind.Optimizer):
         if self.error_feedback is not None:
             self.error_feedback.load_state_dict(residuals)
 
-    def offer_final_state(self) -> bool:
-        self.wait_for_background_updates()
-        return offer_state((self.state_averager, self.grad_averager), self.local_epoch)
-
     def wait_for_background_updates(self) -> None:
         """Apply any in-flight background averaging, so local parameters are final (before a checkpoint)."""
         self.state_averager.step(wait_for_delayed_updates=True)
@@ -130,16 +116,12 @@ class SyncOptimizer(hivemind.Optimizer):
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
         """Upstream's goodbye, then a bounded wait for each averager process (terminated if it hangs)."""
         super().shutdown()
-        for averager in (self.state_averager, self.grad_averager):
-            if averager is not None and averager.is_alive():
-                averager.join(timeout_seconds)
-                if averager.is_alive():
-                    averager.terminate()
+        join_or_terminate((self.state_averager, self.grad_averager), timeout_seconds)
         self.rounds.close()
 
-    # --- overrides of upstream methods ---------------------------------------------------------
+    # --- the hooks of HookedOptimizer ------------------------------------------------------------
 
-    def _make_state_averager(self, **kwargs) -> TrainingStateAverager:
+    def make_state_averager(self, **kwargs) -> TrainingStateAverager:
         report = self.rounds.hooks.round_finished if self.report_state_rounds else self._state_round_finished
         return ReportingStateAverager(
             report=report,
@@ -158,35 +140,23 @@ class SyncOptimizer(hivemind.Optimizer):
             **kwargs,
         )
 
-    def _make_gradient_averager(self, factory, **kwargs):
-        with including(self.error_feedback):
-            return super()._make_gradient_averager(factory, **kwargs)
-
-    def _update_global_epoch(self, grad_scaler) -> None:
-        super()._update_global_epoch(grad_scaler)  # which declares this peer's new epoch as its donor priority
+    def entered_global_epoch(self) -> None:
         if self.use_gradient_averaging:  # with local updates (local-sgd), peers reach an epoch at their own pace
             self.rounds.entered_epoch()
-        if self.rounds.apart:
-            declare_apart((self.state_averager, self.grad_averager), self.local_epoch)
-        retuned = self.rounds.retune(self.swarm_view())
-        if retuned is not None:
-            self._apply_deadlines(retuned)
+        self._after_round()
 
-    def _check_and_accumulate_gradients(self, batch_size: int, grad_scaler) -> bool:
-        """Upstream, but a batch with non-finite gradients is dropped: it never reaches the swarm."""
+    def accepts_batch(self) -> bool:
+        """A batch with non-finite gradients is dropped: it never reaches the swarm."""
         if self.rounds.hooks.guards_gradients() and not all_finite(
                 param.grad for param in self.state_averager.main_parameters):
             logger.warning("non-finite gradients in this batch: dropped, not accumulated or sent to peers")
             return False
-        return super()._check_and_accumulate_gradients(batch_size, grad_scaler)
+        return True
 
-    def _begin_averaging_gradients(self, grad_scaler) -> bool:
-        began = super()._begin_averaging_gradients(grad_scaler)
-        if not began:  # alone in the swarm (or a pre-scheduled round was lost): this epoch uses local gradients
-            self.rounds.hooks.round_finished(RoundReport("skipped", 0.0, 1, "no other peers"))
-        return began
+    def round_skipped(self) -> None:  # alone in the swarm (or a pre-scheduled round was lost): local gradients
+        self.rounds.hooks.round_finished(RoundReport("skipped", 0.0, 1, "no other peers"))
 
-    def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
+    def average_gradients(self, maybe_step_control, use_averaged, use_local) -> None:
         """Upstream logic, plus an outcome report for every round."""
         started = time.monotonic()
         with self.rounds.phase("averaging"):
@@ -199,7 +169,7 @@ class SyncOptimizer(hivemind.Optimizer):
                     with self.grad_averager.get_tensors() as averaged:
                         finite = all_finite(averaged)
                     if finite:  # a partial average is still nearer the swarm's than this peer's own gradients
-                        self._load_averaged_gradients_into_optimizer_()
+                        use_averaged()
                         report = completeness.round_report(self.grad_averager, time.monotonic() - started,
                                                            len(group_info))
                     else:  # a peer sent NaN/Inf: never apply it
@@ -214,20 +184,18 @@ class SyncOptimizer(hivemind.Optimizer):
             elif report.outcome != "ok":
                 if report.outcome != "skipped":
                     logger.warning(f"averaging round {report.outcome} ({report.reason}); using local gradients")
-                self._load_local_gradients_into_optimizer()
+                use_local()
         # if others averaged without us, take their state instead of drifting apart
-        self.rounds.finish_round(report, others_present=self.tracker.global_progress.num_peers > 1)
+        self.rounds.finish_round(report, others_present=self._others_present())
 
     def _state_round_finished(self, report: RoundReport) -> None:
         """A parameter-averaging round that undoes drift; a peer left out of one is apart from its group."""
-        self.rounds.note_apart(report, others_present=self.tracker.global_progress.num_peers > 1)
+        self.rounds.note_apart(report, others_present=self._others_present())
 
-    def _should_load_state_from_peers(self) -> bool:
+    def should_download_state(self, upstream_says) -> bool:
         if not self.rounds.download_allowed():
             return False
-        return (self.rounds.take_resync(self._donors, self._become_reference)
-                or self.rounds.behind_after_settling(self.local_epoch, self.swarm_view)
-                or super()._should_load_state_from_peers())
+        return self._resync_due() or upstream_says()
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -243,20 +211,9 @@ class SyncOptimizer(hivemind.Optimizer):
         self.averaging_timeout = deadlines.averaging_timeout_seconds
         set_matchmaking_window((self.state_averager, self.grad_averager), deadlines.matchmaking_seconds)
 
-    def load_state_from_donor_ahead(self) -> bool:
-        return self._donors().ahead and self.load_state_from_peers()
-
-    def _donors(self) -> DonorView:
-        return donor_view(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
-
-    def _become_reference(self) -> None:
-        declare_whole((self.state_averager, self.grad_averager), self.local_epoch)
-
     def _load_state_from_peers_bounded(self, **kwargs) -> bool:
         # upstream's load_state_from_peers, with the download loop bounded
-        if self.scheduled_grads is not None and not self.scheduled_grads.done():
-            self._tag_along_with_zero_weight(self.scheduled_grads)
-            self.scheduled_grads = None
+        self.drop_scheduled_gradients()
         self.state_averager.step(wait_for_delayed_updates=True)
 
         with self.tracker.pause_updates():
@@ -278,3 +235,51 @@ class SyncOptimizer(hivemind.Optimizer):
         self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
         if self.grad_averager is not None:
             self.grad_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+
+
+def build_sync(config: AveragingConfig, replica: Replica, parts: StrategyParts, **strategy_args) -> SyncOptimizer:
+    """sync: gradients averaged every epoch, the same update everywhere (`strategy_args`: for the variants below)."""
+    # upstream waits one matchmaking window for a peer's next chunk, then averages without it: a peer on a
+    # busy CPU then silently keeps its own values for part of the model and drifts from the swarm (seen:
+    # "received 75% of input tensors" with a 1 s window). A quarter of the round's timeout still drops a
+    # stalled peer well within the round.
+    next_chunk_timeout = max(parts.matchmaking_floor, parts.allreduce_timeout / 4)
+    signing_key = progress.signing_key(parts.tracker_opts)
+    return SyncOptimizer(
+        keys=replica.keys,
+        rounds=parts.rounds,
+        signing_key=signing_key,
+        error_feedback=parts.error_feedback,
+        dht=replica.dht,
+        params=replica.params,
+        optimizer=replica.optimizer_factory,
+        scheduler=replica.scheduler_factory,
+        target_batch_size=config.target_batch_size,
+        batch_size_per_step=replica.batch_size,
+        matchmaking_time=parts.matchmaking_floor,
+        averaging_timeout=parts.allreduce_timeout,
+        next_chunk_timeout=next_chunk_timeout,
+        load_state_timeout=config.load_state_timeout_seconds,
+        average_state_every=config.average_state_every,
+        average_opt_statistics=tuple(config.average_opt_statistics),
+        offload_optimizer=config.offload_optimizer,
+        delay_optimizer_step=config.delay_updates,
+        delay_grad_averaging=config.delay_updates,
+        client_mode=replica.client_mode,
+        tracker_opts=dict(parts.tracker_opts, private_key=signing_key),
+        averager_opts=parts.averager_opts,
+        verbose=False,
+        **codecs_from_config(config),
+        **strategy_args,
+    )
+
+
+def build_local_sgd(config: AveragingConfig, replica: Replica, parts: StrategyParts) -> SyncOptimizer:
+    """local-sgd: local steps, and parameters averaged every --average-state-every epochs (its only rounds)."""
+    return build_sync(config, replica, parts, use_local_updates=True, report_state_rounds=True)
+
+
+def build_powersgd(config: AveragingConfig, replica: Replica, parts: StrategyParts) -> SyncOptimizer:
+    """powersgd: gradients averaged as low-rank factors."""
+    powersgd = partial(PowerSGDGradientAverager, averager_rank=config.powersgd_rank)
+    return build_sync(config, replica, parts, grad_averager_factory=powersgd)

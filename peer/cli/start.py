@@ -14,6 +14,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional
 
+from averaging.registry import DEFAULT_STRATEGY
 from dht.node import DHTStartCancelled, DHTStartError, visible_maddrs
 from peer.checkpoint.store import CheckpointError
 from peer.config import PeerConfig
@@ -91,9 +92,7 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
     except (RuntimeError, ValueError) as e:  # TaskLoadError is a ValueError
         raise BadInput(str(e)) from e
     builder.lock_checkpoint_dir()  # a second peer on this directory leaves before it joins anything
-    averaging = config.averaging
-    codec = averaging.state_compression if averaging.strategy == "local-sgd" else averaging.grad_compression
-    monitoring = builder.monitoring(device, averaging.strategy, codec)
+    monitoring = builder.monitoring(device)
     builder.faults.hold_before_joining()  # tests only: a peer started ahead of its turn
     with monitoring.timer.phase("joining"):  # communication, and the advice says it passes once joined
         dht = builder.dht()
@@ -167,7 +166,7 @@ def join_hint(config: PeerConfig, maddrs: List[str]) -> Optional[str]:
         f"peer start --run-id {config.training.run_id} --task {config.training.task} "
         f"--target-batch-size {config.averaging.target_batch_size}"
     )
-    if config.averaging.strategy != "sync":  # settings every peer of the run must share
+    if config.averaging.strategy != DEFAULT_STRATEGY:  # settings every peer of the run must share
         command += f" --averaging {config.averaging.strategy}"
     if config.dht.swarm_key is not None:
         command += " --swarm-key <a copy of this swarm's key file>"

@@ -20,8 +20,9 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from averaging import adapter
-from averaging.api import Replica, SwarmOptimizer
-from averaging.codecs.compression import round_payload_bytes
+from averaging.api import Replica, SessionOptimizer
+from averaging.codecs.compression import round_codec, round_payload_bytes
+from averaging.registry import STRATEGIES
 from averaging.strategies.factory import build_swarm_optimizer, progress_record_ttl_seconds
 from averaging.swarm.progress import clock_skew_allowed
 from dht.clock import ClockRecordPublisher
@@ -90,7 +91,7 @@ class PeerBuilder:
         self._checkpoint_lock: Optional[CheckpointDirLock] = None
         adapter.install()  # before anything forks: every hivemind process inherits the patches
 
-    def monitoring(self, device: torch.device, strategy: str, codec: str) -> Monitoring:
+    def monitoring(self, device: torch.device) -> Monitoring:
         """Metrics and the bottleneck classifier fed by one phase timer; /metrics served unless the port is off.
 
         :raises BadInput: the metrics port is taken
@@ -102,7 +103,8 @@ class PeerBuilder:
         health = HealthCheck(config.health_window_seconds)
         timer.add_listener(metrics.observe_phase)
         timer.add_listener(classifier.observe)
-        metrics.set_info(__version__, describe_device(device), strategy, codec)
+        metrics.set_info(__version__, describe_device(device), self.config.averaging.strategy,
+                         round_codec(self.config.averaging))
         events = EventsObserver(self.events)
         observer = Observers(MetricsObserver(metrics, classifier, health, on_bottleneck=events.on_bottleneck), events)
         monitoring = Monitoring(timer, metrics, classifier, health, observer)
@@ -160,10 +162,11 @@ class PeerBuilder:
         val_set = call_task(where, "build_val_dataset()", task.build_val_dataset)
         batch_size = config.training.batch_size or task.batch_size
         timeout = config.training.task_timeout_seconds
+        averaging = config.averaging
+        rank = averaging.powersgd_rank if STRATEGIES[averaging.strategy].uses("powersgd_rank") else None
         try:  # a dataset that hangs is found here, at the first batch, not as a silent stall later
             run_within(timeout, lambda: check_task(
-                task, model, train_set, val_set, batch_size, device, config.averaging.average_opt_statistics,
-                config.averaging.powersgd_rank if config.averaging.strategy == "powersgd" else None,
+                task, model, train_set, val_set, batch_size, device, averaging.average_opt_statistics, rank,
             ), TaskContractError(f"{where}: reading its first batch and computing its loss took longer than "
                                  f"--task-timeout-seconds {timeout:g}; check the dataset's __getitem__ and the loss"))
         except TaskContractError as e:
@@ -201,7 +204,7 @@ class PeerBuilder:
         """Publishes this peer's PeerInfo every few seconds (what `peer status` and the monitor show), and its
         clock record (dht/clock.py)."""
         started, device, classifier = time.monotonic(), describe_device(trainer.device), monitoring.classifier
-        optimizer = trainer.optimizer
+        optimizer = trainer.session.optimizer
         publisher = PeerInfoPublisher(dht, self.config.training.run_id, lambda: PeerInfo(
             peer_id=str(dht.peer_id),
             version=__version__,
@@ -260,7 +263,7 @@ class PeerBuilder:
             quiet_dht_logs(dht)
             self._dht_quiet = True
 
-    def _leave_training(self, dht: hivemind.DHT, optimizer: SwarmOptimizer, session: SwarmSession) -> None:
+    def _leave_training(self, dht: hivemind.DHT, optimizer: SessionOptimizer, session: SwarmSession) -> None:
         self._quiet_hivemind(dht)
         session.begin_leaving()  # rounds nobody will join are dropped while the optimizer waits for them
         try:

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from hivemind.utils import get_dht_time
 
+from averaging.registry import STRATEGIES
 from dht.keys import SwarmKeys
 from dht.manifest import MANIFEST_TTL_SECONDS, PROTOCOL_VERSION, agreed_manifest, read_manifests
 from dht.records import RunManifest, read_peer_infos, store_own
@@ -35,16 +36,6 @@ logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5
 
-# the averaging settings every peer must share, by strategy (each is read by its command-line name)
-_SHARED_BY_STRATEGY = {
-    "sync": ("grad_compression", "state_compression", "load_state_compression", "average_state_every",
-             "average_opt_statistics"),
-    "local-sgd": ("state_compression", "load_state_compression", "average_state_every", "average_opt_statistics"),
-    "powersgd": ("grad_compression", "state_compression", "load_state_compression", "average_state_every",
-                 "average_opt_statistics", "powersgd_rank"),
-    "diloco": ("grad_compression", "state_compression", "load_state_compression", "diloco_inner_steps", "outer_lr",
-               "outer_momentum"),
-}
 _ADAPTIVE_CODEC_SETTINGS = ("adaptive_compression_threshold", "adaptive_large_codec")
 
 
@@ -65,7 +56,8 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 def manifest_for(config: PeerConfig, task_name: str, model: torch.nn.Module) -> RunManifest:
     """:param task_name: the task's own name (a module:function task that wraps a built-in keeps its name)"""
     averaging = config.averaging
-    names = ["target_batch_size", "averaging", *_SHARED_BY_STRATEGY[averaging.strategy]]
+    # the strategy's own shared settings, each read by its command-line name
+    names = ["target_batch_size", "averaging", *STRATEGIES[averaging.strategy].shared_settings]
     if "adaptive" in (averaging.grad_compression, averaging.state_compression, averaging.load_state_compression):
         names += _ADAPTIVE_CODEC_SETTINGS
     settings: Dict[str, object] = {name: _setting(config, name) for name in names}

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from averaging.api import SwarmOptimizer
+from averaging.api import LoopOptimizer
 from peer.checkpoint.store import CheckpointStore, LoadedCheckpoint
 from peer.config import PeerConfig
 from peer.runtime.precision import MixedPrecision
@@ -20,7 +20,7 @@ from peer.telemetry.summary import PeerSummary
 logger = logging.getLogger(__name__)
 
 
-def training_state(config: PeerConfig, task_name: str, model: torch.nn.Module, optimizer: SwarmOptimizer,
+def training_state(config: PeerConfig, task_name: str, model: torch.nn.Module, optimizer: LoopOptimizer,
                    summary: PeerSummary, precision: MixedPrecision) -> dict:
     """Everything a checkpoint holds (the optimizer's background updates must have landed)."""
     scheduler = optimizer.scheduler
@@ -57,7 +57,7 @@ def restore_model(store: CheckpointStore, config: PeerConfig, task_name: str,
     return checkpoint
 
 
-def restore_optimizer(checkpoint: Optional[LoadedCheckpoint], optimizer: SwarmOptimizer, summary: PeerSummary,
+def restore_optimizer(checkpoint: Optional[LoadedCheckpoint], optimizer: LoopOptimizer, summary: PeerSummary,
                       precision: Optional[MixedPrecision] = None) -> None:
     """The optimizer's state, the LR scheduler, the loss scale and the peer's counters, from the checkpoint
     restore_model read."""

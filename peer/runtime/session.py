@@ -28,7 +28,7 @@ from typing import Callable, Dict, Optional
 
 from hivemind.utils import get_dht_time
 
-from averaging.api import APART, SwarmOptimizer
+from averaging.api import APART, SessionOptimizer
 from averaging.swarm.open_rounds import RoundAbandoner
 from dht.keys import SwarmKeys
 from dht.records import own_subkey, read_by_owner, store_own
@@ -60,7 +60,7 @@ class SwarmSession:
         self,
         dht,
         keys: SwarmKeys,
-        optimizer: SwarmOptimizer,
+        optimizer: SessionOptimizer,
         stop: StopRequest,
         record_ttl_seconds: float,
         on_progress: Callable[[], None] = lambda: None,

@@ -10,7 +10,7 @@ next one, never a reason to stop. The loop stops at --max-epochs, --max-seconds,
 request, always after a whole step.
 
 The Trainer receives everything built (peer/runtime/builder.py assembles it): it knows the
-SwarmOptimizer Protocol and the swarm session, never a hivemind object.
+LoopOptimizer Protocol and the swarm session, never a hivemind object.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from averaging.api import AveragingHooks, RoundReport, SwarmOptimizer
+from averaging.api import AveragingHooks, LoopOptimizer, RoundReport
 from averaging.codecs.compression import bytes_moved
 from monitoring import PhaseTimer
 from peer.checkpoint.store import CheckpointError, CheckpointStore
@@ -113,7 +113,7 @@ class Trainer:
         config: PeerConfig,
         task: Task,
         model: torch.nn.Module,
-        optimizer: SwarmOptimizer,
+        optimizer: LoopOptimizer,
         train_loader,
         val_loader,
         *,

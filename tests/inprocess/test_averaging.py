@@ -1,4 +1,5 @@
-"""DiLoCo's outer step, ZeRO-Offload placement and state downloads, with real hivemind DHTs in this process."""
+"""DiLoCo's outer step, ZeRO-Offload placement, state downloads and training with no averaging, with real hivemind
+DHTs in this process."""
 from __future__ import annotations
 
 import logging
@@ -10,10 +11,12 @@ import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
-from averaging.api import AveragingHooks, Replica
+from averaging.api import AveragingHooks, Replica, SwarmOptimizer
+from averaging.codecs.compression import round_payload_bytes
 from averaging.config import AveragingConfig
-from averaging.strategies.diloco import DiLoCoOptimizer, outer_nesterov_step_
+from averaging.strategies.diloco import DiLoCoOptimizer
 from averaging.strategies.factory import build_swarm_optimizer
+from averaging.strategies.outer import outer_nesterov_step_
 from dht.keys import SwarmKeys
 from tests.peers import wait_until
 
@@ -286,6 +289,48 @@ def test_with_overlap_the_outer_update_lands_one_round_late_and_the_model_keeps_
         for model in models:
             assert torch.allclose(flat(model), reference.detach(), atol=1e-6)
         assert [peer.local_epoch for peer in peers] == [2, 2]
+    finally:
+        for peer in peers:
+            peer.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_with_no_averaging_peers_count_toward_the_swarms_epochs_but_each_trains_alone():
+    config = AveragingConfig(strategy="none", target_batch_size=16, matchmaking_seconds=1.0)
+    dhts = start_dhts(2)
+    peers, models, reports = [], [], []
+    try:
+        for dht in dhts:
+            model = torch.nn.Linear(4, 1)
+            peers.append(build_swarm_optimizer(config, Replica(
+                dht=dht, keys=SwarmKeys.for_run("solo"), params=model.parameters(),
+                optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.05), batch_size=4, client_mode=False,
+                hooks=AveragingHooks(round_finished=reports.append),
+            ), tracker_opts=dict(private_key=RSAPrivateKey())))  # one signing key per peer, as between processes
+            models.append(model)
+        assert all(isinstance(peer, SwarmOptimizer) for peer in peers)
+        wait_until(lambda: [peer.announce() for peer in peers] and all(peer.swarm_view().peers == 2 for peer in peers),
+                   60, interval=1.0, message="both trackers to see both peers")
+
+        generator = torch.Generator().manual_seed(0)
+        inputs = [torch.randn(4, 4, generator=generator) for _ in peers]  # each peer its own data
+        targets = [x @ torch.tensor([[1.0], [2.0], [-1.0], [0.5]]) for x in inputs]
+        losses = [[], []]
+        for _ in range(24):
+            for index, (peer, model) in enumerate(zip(peers, models)):
+                loss = torch.nn.functional.mse_loss(model(inputs[index]), targets[index])
+                loss.backward()
+                peer.step(batch_size=4)
+                peer.zero_grad()
+                losses[index].append(float(loss.detach()))
+        assert all(curve[-1] < 0.5 * curve[0] for curve in losses), losses
+        assert all(peer.local_epoch >= 3 for peer in peers)  # 192 samples, a target of 16
+        before = [p.detach().clone() for p in models[0].parameters()]
+        assert peers[0].load_state_from_peers() is False  # it shares no state
+        assert all(torch.equal(b, p.detach()) for b, p in zip(before, models[0].parameters()))
+        assert reports == [] and round_payload_bytes(config, before) == 0  # no round, no byte
     finally:
         for peer in peers:
             peer.shutdown()

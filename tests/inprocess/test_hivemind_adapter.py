@@ -17,8 +17,8 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from averaging import adapter
 from averaging.adapter import numpy2, pacing, recorded_steps
 from averaging.adapter.partition import FeedbackPartContainer
+from averaging.adapter.state_averager import GuardedStateAverager, ReportingStateAverager
 from averaging.strategies.diloco import DiLoCoOptimizer
-from averaging.strategies.state import GuardedStateAverager, ReportingStateAverager
 from averaging.strategies.sync import SyncOptimizer
 
 
@@ -33,7 +33,7 @@ def test_a_changed_upstream_function_is_named_with_the_module_that_depends_on_it
 
     monkeypatch.setattr(Optimizer, "_begin_averaging_gradients", _begin_averaging_gradients)
     assert adapter.changed_upstream() == [
-        "hivemind.optim.optimizer.Optimizer._begin_averaging_gradients (used by averaging/strategies/sync.py)"
+        "hivemind.optim.optimizer.Optimizer._begin_averaging_gradients (used by averaging/adapter/optimizer.py)"
     ]
 
 
@@ -41,7 +41,7 @@ def test_a_removed_upstream_function_is_named_too(monkeypatch):
     monkeypatch.delattr(TrainingStateAverager, "_apply_averaging_results_")
     changed = adapter.changed_upstream()
     assert changed == ["hivemind.optim.state_averager.TrainingStateAverager._apply_averaging_results_ "
-                       "(used by averaging/strategies/state.py)"]
+                       "(used by averaging/adapter/state_averager.py)"]
 
 
 def test_install_refuses_another_version_whose_code_we_rely_on_changed(monkeypatch):

@@ -8,6 +8,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from averaging.registry import STRATEGY_NAMES
 from peer.cli.main import cli
 from peer.cli.options import SHOWN_ORDER, TUNING
 from peer.config import OPTIONS_BY_CLI
@@ -24,7 +25,7 @@ def help_of(*args: str) -> str:
 def test_start_help_lists_the_common_flags_by_section_with_choices_and_defaults():
     text = help_of("start", "--help")
     assert SECTION.findall(text) == ["Options", *SHOWN_ORDER]
-    assert "--averaging [sync|local-sgd|powersgd|diloco]" in text
+    assert f"--averaging [{'|'.join(STRATEGY_NAMES)}]" in text  # the strategy registry's, in its order
     assert re.search(r"--matchmaking-seconds SECONDS\|auto\s+How long", text)
     assert re.search(r"--target-batch-size N\s+Samples the whole swarm .*\s+.*\[default: 4096\]", text)
     assert "--metrics-port PORT|off" in text and "[default: 127.0.0.1]" in text

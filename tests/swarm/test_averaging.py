@@ -1,4 +1,5 @@
-"""Each averaging strategy on a real 2-peer swarm of the built-in task: loss falls, peers agree.
+"""Each averaging strategy on a real 2-peer swarm of the built-in task: loss falls, peers agree (with no averaging,
+each learns alone and sends nothing).
 
 sync, local-sgd, powersgd and ZeRO-Offload run in bf16 autocast, on the CPU: precision lives in the training loop,
 before the optimizer, so they must train and agree with it too. DiLoCo stays fp32 here: its 4 outer rounds are
@@ -64,3 +65,22 @@ async def test_two_peers_learn_and_agree(tmp_path: Path, name: str):
     states = [load_model_state(tmp_path / "ckpt" / f"peer-{i}") for i in range(2)]
     # the last round landed before the final checkpoint; int4's replies are fp16: the peers agree to about that
     assert max_parameter_difference(states[0], states[1]) <= (1e-4 if "int4" in name else 1e-5)
+
+
+@pytest.mark.timeout(150)
+async def test_with_averaging_none_each_peer_learns_alone_and_sends_nothing(tmp_path: Path):
+    async with Swarm(tmp_path, env=FAST_ENV) as harness:
+        swarm = harness.run(
+            "swarm", "--peers", "2", *FAST_SWARM_ARGS, "--averaging", "none", "--min-peers", "2",
+            "--target-batch-size", "64", "--max-epochs", "4", "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--summary-dir", str(tmp_path / "summaries"), name="swarm",
+        )
+        assert await swarm.exit_code(timeout=130) == 0, swarm.log_tail(4000)
+    summaries = [json.loads((tmp_path / "summaries" / f"peer-{i}.json").read_text()) for i in range(2)]
+    for summary in summaries:
+        assert summary["exit_reason"] == "max_epochs" and summary["global_epoch"] == 4  # the swarm's epochs
+        assert not any(summary["averaging_rounds"].values()) and summary["averaging_sent_bytes"] == 0
+        assert summary["state_downloads"] == 0
+        assert summary["val_loss_last"] <= 0.9 * summary["val_loss_first"], summary
+    states = [load_model_state(tmp_path / "ckpt" / f"peer-{i}") for i in range(2)]
+    assert max_parameter_difference(states[0], states[1]) > 1e-3  # each trained its own replica on its own batches

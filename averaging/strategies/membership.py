@@ -1,0 +1,107 @@
+"""What the strategies implement alike of the Protocols (averaging/api.py), written once.
+
+Every strategy reads the swarm's progress from a hivemind ProgressTracker (`self.tracker`, its
+record signed with `self.signing_key`); ReportsProgress turns that into the swarm view and the
+announcement. The strategies that average (sync, diloco) also keep a RoundKeeper (`self.rounds`)
+and a state averager that serves their state to others (`self.state_averager`); SharesState holds
+what they do alike for the swarm session: apartness, donors, the final state, and what follows a
+round. Each of them says which of its averagers declare it as a donor (`donor_averagers`) and how
+it applies new deadlines (`_apply_deadlines`).
+
+These classes must override no hivemind method: SyncOptimizer puts them before hivemind.Optimizer
+in its bases, where averaging/adapter/ would not know them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Tuple
+
+from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils.crypto import RSAPrivateKey
+
+from averaging.api import SwarmView
+from averaging.deadlines import Deadlines
+from averaging.strategies.rounds import RoundKeeper
+from averaging.swarm import progress
+from averaging.swarm.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
+
+
+class ReportsProgress:
+    """The swarm view and the announcement, from `self.tracker` and `self.signing_key`."""
+
+    tracker: ProgressTracker
+    signing_key: RSAPrivateKey
+
+    def swarm_view(self, refresh_timeout_seconds: Optional[float] = None) -> SwarmView:
+        return progress.swarm_view(self.tracker, refresh_timeout_seconds)
+
+    def announce(self) -> None:
+        progress.announce(self.tracker, self.signing_key)
+
+    def _others_present(self) -> bool:
+        """Whether other peers count toward the swarm's progress: they may have averaged without this one."""
+        return self.tracker.global_progress.num_peers > 1
+
+
+class SharesState(ReportsProgress):
+    """The session's side of a strategy that averages and serves its state from `self.state_averager`."""
+
+    rounds: RoundKeeper
+    state_averager: TrainingStateAverager
+    donor_averagers: Tuple
+    """The averagers that declare this peer as a donor, and at which priority."""
+    _apply_deadlines: Callable[[Deadlines], None]
+
+    @property
+    def scheduler(self):
+        return self.state_averager.scheduler
+
+    @property
+    def apart(self) -> bool:
+        return self.rounds.apart
+
+    @property
+    def downloaded_at_epoch(self) -> Optional[int]:
+        return self.rounds.downloaded_at_epoch
+
+    def load_state_from_donor_ahead(self) -> bool:
+        return self._donors().ahead and self.load_state_from_peers()
+
+    def offer_final_state(self) -> bool:
+        self.wait_for_background_updates()
+        return offer_state(self.donor_averagers, self.local_epoch)
+
+    def _donors(self) -> DonorView:
+        return donor_view(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
+
+    def _become_reference(self) -> None:
+        declare_whole(self.donor_averagers, self.local_epoch)
+
+    def _resync_due(self) -> bool:
+        """Whether to download now: a round left this peer apart, or the swarm was ahead once its epoch settled."""
+        return (self.rounds.take_resync(self._donors, self._become_reference)
+                or self.rounds.behind_after_settling(self.local_epoch, self.swarm_view))
+
+    def _after_round(self) -> None:
+        """After a round: rank below the whole peers while apart, and choose the deadlines again ('auto')."""
+        if self.rounds.apart:
+            declare_apart(self.donor_averagers, self.local_epoch)
+        retuned = self.rounds.retune(self.swarm_view())
+        if retuned is not None:
+            self._apply_deadlines(retuned)
+
+
+def step_scheduler_to(scheduler, epoch: int) -> None:
+    """Step an LR scheduler (or None) until it matches `epoch`, as hivemind's state averager does."""
+    if scheduler is not None:
+        while scheduler._step_count <= epoch:
+            scheduler.step()
+
+
+def join_or_terminate(averagers: Iterable, timeout_seconds: float) -> None:
+    """A bounded wait for each averager process that is still alive; one that hangs is terminated."""
+    for averager in averagers:
+        if averager is not None and averager.is_alive():
+            averager.join(timeout_seconds)
+            if averager.is_alive():
+                averager.terminate()

@@ -1,0 +1,28 @@
+"""StrategyParts: what averaging/strategies/factory.py prepares for every strategy's builder.
+
+A builder (named in averaging/registry.py) is called as builder(config, replica, parts) and owns
+`parts.rounds` from then on: its optimizer closes it on shutdown.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from averaging.pipeline.error_feedback import ErrorFeedback
+from averaging.strategies.rounds import RoundKeeper
+
+
+@dataclass
+class StrategyParts:
+    rounds: RoundKeeper
+    """The round bookkeeping: outcomes, resyncs, deadlines and the exclusion watch."""
+    tracker_opts: dict
+    """ProgressTracker options (how long a peer's records outlive it; tests add each peer's private_key)."""
+    averager_opts: dict
+    """Options every averager takes (hivemind's request timeout)."""
+    matchmaking_floor: float
+    """The shortest matchmaking window, fixed in the averager processes at start."""
+    allreduce_timeout: float
+    """The longest all-reduce, fixed in the averager processes at start."""
+    error_feedback: Optional[ErrorFeedback] = None
+    """Carries the gradient codec's loss between rounds, where the config asks for it."""
