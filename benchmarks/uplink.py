@@ -42,7 +42,7 @@ Needs root (network namespaces, tc). Usage (from the repository root)::
 
     python -m benchmarks.uplink --quick     # 20 and 100 Mbit/s, 4096 samples per run (about 20 minutes)
     python -m benchmarks.uplink             # 8192 samples per run
-    python -m benchmarks.uplink --smoke     # 3 setups at 100 Mbit/s, 256 samples, bytelm-tiny; for tests
+    python -m benchmarks.uplink --smoke     # 2 setups at 100 Mbit/s, 256 samples, bytelm-tiny; for tests
 
 JSON ``results``: ``task``, ``samples``, ``target_batch_size``, ``diloco_target_batch_size``, ``rates``,
 ``target_val_loss``, ``plot``, ``runs`` (one per rate and setup: ``rate``, ``setup``, ``flags``, ``seconds``,
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     run = common.Run(NAME, mode, args.output)
     rates = (args.rates or common.by_mode(mode, smoke="100mbit", quick="20mbit,100mbit", full="20mbit,100mbit"))
-    setups = (args.setups or common.by_mode(mode, smoke="sync-fp32,diloco-int4-ef,none", quick="", full="")).split(",")
+    setups = (args.setups or common.by_mode(mode, smoke="sync-fp32,diloco-int4-ef", quick="", full="")).split(",")
     setups = [setup for setup in SETUPS if setup in setups or setups == [""]]
     samples = args.samples or common.by_mode(mode, smoke=256, quick=4096, full=8192)
     batch_size = 32
