@@ -48,7 +48,7 @@ async def start_waiting(swarm: Swarm, name: str, *args: str, plan: Optional[Faul
     return Waiting(peer, turn)
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on(tmp_path: Path):
     # The default --exclude-after 3: with 2, an honest peer a round out of step (13x the others' gradient
     # norm under suite load) was excluded once. One attacker at a time, each in the honest swarm until every
@@ -74,7 +74,8 @@ async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on
             def of_attacker(event: PeerExcluded, peer_id: str = attacker_id) -> bool:
                 return event.peer_id == peer_id
 
-            await asyncio.gather(*(peer.wait_for(PeerExcluded, of_attacker, timeout=120,
+            # a sign flip joined late in training takes longest: under suite load, once more than 120 s
+            await asyncio.gather(*(peer.wait_for(PeerExcluded, of_attacker, timeout=240,
                                                  what=f"the {attack} attacker to be excluded") for peer in honest))
             attacker.terminate()  # its exit is awaited below: the next peer starts meanwhile, excluded it is harmless
             excluded.append(attacker)
