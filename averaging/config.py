@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from averaging.registry import DEFAULT_STRATEGY, STRATEGIES, STRATEGY_NAMES, accepting
 
 CODECS = ("none", "fp16", "scaled-fp16", "uint8", "quantile8", "blockwise8", "int8", "int4", "topk", "adaptive")
-LARGE_CODECS = ("uint8", "quantile8", "blockwise8")
 FEEDBACK_CODECS = ("int8", "int4", "topk")  # ours: their replies are dense fp16 (averaging/pipeline/error_feedback.py)
 BITSANDBYTES_INSTALL = "pip install 'swarmtrain[bitsandbytes]'"
 AUTO = "auto"
@@ -26,6 +25,14 @@ REFUSABLE = {
 }
 """The settings a strategy may refuse (Strategy.refuses, averaging/registry.py): how the error names each one
 once it is switched on, and its way out."""
+_FEEDBACK_STRATEGIES = tuple(name for name in accepting("error_feedback") if STRATEGIES[name].payload is not None)
+"""The strategies error feedback applies to: those that send rounds and do not refuse it."""
+
+
+def _sharing(setting: str):
+    """The strategies whose runs share `setting` (the ones that read it), for help texts."""
+    return [name for name, strategy in STRATEGIES.items() if setting in strategy.shared_settings]
+
 
 Seconds = Union[float, Literal["auto"]]
 
@@ -98,8 +105,9 @@ class AveragingConfig(BaseModel):
     average_state_every: int = Field(
         default=1,
         ge=1,
-        description="Average parameters (and --average-opt-statistics) every this many global epochs (sync, "
-        "local-sgd, powersgd). Raise it to save bandwidth with local-sgd; lower it if peers drift apart.",
+        description="Average parameters (and --average-opt-statistics) every this many global epochs "
+        f"({', '.join(_sharing('average_state_every'))}). Raise it to save bandwidth with local-sgd; lower it if peers "
+        "drift apart.",
     )
     average_opt_statistics: List[str] = Field(
         default_factory=list,
@@ -148,7 +156,8 @@ class AveragingConfig(BaseModel):
     error_feedback: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="Carry what a lossy --grad-compression loses in one round into the next (int8, int4 and topk, "
-        "with --averaging sync or diloco): auto turns it on for those codecs, off applies each peer's loss at once, "
+        f"with --averaging {' or '.join(_FEEDBACK_STRATEGIES)}): auto turns it on for those codecs, off applies each "
+        "peer's loss at once, "
         "which leaves peers apart by it.",
     )
     adaptive_compression_threshold: int = Field(

@@ -31,9 +31,6 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-MODES = ("smoke", "quick", "full")
-
-
 def parser(name: str, doc: Optional[str]) -> argparse.ArgumentParser:
     """An argument parser with the modes every benchmark has (--smoke, --quick, default full) and --output."""
     summary = (doc or "").strip().splitlines()[0] if doc else name
@@ -199,13 +196,6 @@ def rounded(value: Optional[float], digits: int = 4) -> Optional[float]:
 
 def fmt_ratio(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value:.3f}"
-
-
-def ensure_repo_on_path() -> None:
-    """Let `python benchmarks/<name>.py` import our packages as `python -m benchmarks.<name>` does."""
-    root = str(REPO_ROOT)
-    if root not in sys.path:
-        sys.path.insert(0, root)
 
 
 def child_env(**extra: str) -> Dict[str, str]:

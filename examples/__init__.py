@@ -1,0 +1,1 @@
+"""Examples: a custom task (custom_task.py) with its swarm test, and config presets (configs/)."""

@@ -3,8 +3,10 @@
 Every patch, override and copy of hivemind code is here, each in a small module named for what it changes,
 and everything it relies on is fingerprinted (upstream.py), so that an upgrade of hivemind fails loudly.
 Nothing outside this package imports hivemind's private modules or touches private attributes of hivemind
-objects (import-linter and tests/meta/test_layout.py check it). `install()` puts the patches in place; it
-runs before any averager process forks.
+objects (import-linter and tests/meta/test_layout.py check it), with one exception named in that test:
+dht/sockets.py sets P2P._UNIX_SOCKET_PREFIX (dht/ lies below this package in the layers, and hivemind has no
+parameter for it). `install()` puts the patches in place; it runs before any averager process forks. The
+modules split out of the former averaging/hivemind_compat.py keep their history there.
 
 - upstream.py: the pinned version, the fingerprints of every upstream function we rely on, `changed_upstream()`;
 - install.py: `install()`, which checks the version and applies every module's PATCHES;

@@ -21,7 +21,8 @@ What it adds to hivemind's optimizer:
 - with error feedback, the gradient averager carries its codec's loss between rounds; the residuals
   are checkpointed and dropped when state is downloaded (averaging/pipeline/error_feedback.py).
 
-It changes hivemind's Optimizer only through the hooks of averaging/adapter/optimizer.py.
+It changes the private steps of hivemind's Optimizer only through the hooks of averaging/adapter/optimizer.py;
+its public methods (load_state_from_peers, state_dict, shutdown) extend upstream's, fingerprinted there too.
 """
 from __future__ import annotations
 

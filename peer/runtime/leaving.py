@@ -27,7 +27,6 @@ from __future__ import annotations
 import enum
 from typing import Dict, Mapping, Optional, Tuple
 
-LEAVING_KEY_SUFFIX = "_leaving"
 DOWNLOADING, DONE = "downloading", "done"
 
 

@@ -4,7 +4,7 @@
 - faults.py: the fault plan a test hands one peer (`peer start --inject-faults`), and the injector the peer
   consults at fixed points.
 Processes themselves are started and supervised by peer/process/launcher.py, which `peer swarm` uses too.
-This package imports no torch: `peer swarm` runs on it.
+This package imports no torch: a test that only starts processes does not pay for it.
 """
 from peer.process.launcher import (
     Peer,

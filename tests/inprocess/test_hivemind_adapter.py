@@ -7,9 +7,10 @@ import logging
 
 import hivemind
 import pytest
+from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.averaging.partition import TensorPartContainer
+from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression.quantization import Quantization
 from hivemind.optim.optimizer import Optimizer
 from hivemind.optim.state_averager import TrainingStateAverager
@@ -17,6 +18,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from averaging import adapter
 from averaging.adapter import numpy2, pacing, recorded_steps
 from averaging.adapter.partition import FeedbackPartContainer
+from averaging.adapter.reducer import RobustAllReduceRunner, RobustPartReducer
 from averaging.adapter.state_averager import GuardedStateAverager, ReportingStateAverager
 from averaging.strategies.diloco import DiLoCoOptimizer
 from averaging.strategies.sync import SyncOptimizer
@@ -80,6 +82,8 @@ def test_install_puts_every_patch_in_place_and_twice_is_the_same_as_once():
     (GuardedStateAverager, TrainingStateAverager),
     (ReportingStateAverager, TrainingStateAverager),
     (FeedbackPartContainer, TensorPartContainer),
+    (RobustPartReducer, TensorPartReducer),
+    (RobustAllReduceRunner, AllReduceRunner),
 ])
 def test_every_upstream_method_our_subclasses_override_is_fingerprinted(ours, upstream):
     for cls in ours.__mro__:

@@ -1,0 +1,1 @@
+"""Tests of the repository itself: layout, docs, help, bad input, deploy files."""
