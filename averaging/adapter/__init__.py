@@ -17,6 +17,7 @@ modules split out of the former averaging/hivemind_compat.py keep their history 
 - progress_filter.py: a progress tracker reads only the progress records its ClaimFilter believes;
 - codec_registry.py: our codecs' wire ids, taught to hivemind's decoder;
 - allreduce.py: the round pipeline (averaging/pipeline/) driven inside each averager's all-reduce;
+- runner.py: canonical replies (every peer of a group takes the same bytes of each part's average);
 - reducer.py: the robust reducer and all-reduce runner (hivemind's, screening each sender's part);
 - partition.py: error feedback's part container (hivemind's, over tensors plus residuals);
 - refusals.py: excluded peers refused in matchmaking and state sharing;

@@ -3,22 +3,24 @@
 - Before an averager forks, in the training process: the stages included around it, and a Completeness stage
   for every averager, become its pipeline, which its process inherits.
 - First thing in the averager's own process: that pipeline becomes the process's (refusals.py reads it).
-- Each all-reduce: upstream's `_run_allreduce_inplace_`, with the stages applied at their points: error
-  feedback's inputs and part container, a robust runner when the averager carries a Defence, and the share
-  of the average that never arrived recorded by the completeness stage.
+- Each all-reduce: upstream's `_run_allreduce_inplace_`, with canonical replies (averaging/adapter/runner.py:
+  each peer copies the average's exact bits), and the stages applied at their points: error feedback's inputs
+  and part container, a robust runner when the averager carries a Defence, and the share of the average that
+  never arrived recorded by the completeness stage.
 """
 from __future__ import annotations
 
 from typing import Callable, Dict
 
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aenumerate, as_aiter, azip
 
-from averaging.adapter.partition import FeedbackPartContainer
 from averaging.adapter.reducer import RobustAllReduceRunner
+from averaging.adapter.runner import CanonicalAllReduceRunner
 from averaging.pipeline import round_pipeline
 from averaging.pipeline.completeness import Completeness
 from averaging.pipeline.defence import Defence
@@ -49,29 +51,27 @@ async def run_allreduce_inplace_through_pipeline(self: DecentralizedAverager, te
     pipeline = round_pipeline.of(self)
     defence, feedback = pipeline.stage(Defence), pipeline.stage(ErrorFeedback)
     group_id = group_info.group_id if group_id is None else group_id
-    runner_class, extra = AllReduceRunner, {}
+    runner_class, extra = CanonicalAllReduceRunner, {}
     if defence is not None:
         runner_class, extra = RobustAllReduceRunner, dict(defence=defence)
     if feedback is not None and not feedback.matches(tensors):
         feedback = None  # not this averager's own tensors
+    inputs = tensors
     if feedback is not None:
         with feedback.lock:
-            carried = [residual.clone() for residual in feedback.residuals]
-        inputs = [tensor.detach().float() + residual for tensor, residual in zip(tensors, carried)]
+            extra["carried"] = [residual.clone() for residual in feedback.residuals]
+        inputs = [tensor.detach().float() + residual for tensor, residual in zip(tensors, extra["carried"])]
     runner = runner_class(
-        p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=inputs if feedback else tensors,
-        group_id=group_id, ordered_peer_ids=group_info.peer_ids, **extra, **kwargs,
+        p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=inputs, group_id=group_id,
+        ordered_peer_ids=group_info.peer_ids, lossless_replies=isinstance(self, TrainingStateAverager),
+        **extra, **kwargs,
     )
-    if feedback is not None:
-        _carry_residuals(runner, inputs, carried, kwargs)
     assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
     self._running_groups[group_id].set_result(runner)
     if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-        async for index, (tensor, update) in aenumerate(azip(as_aiter(*tensors), runner)):
-            if feedback is None:
-                tensor.add_(update, alpha=self._averaging_alpha)
-            else:  # x + update is the average; the residual of this tensor is now final
-                tensor.add_(inputs[index] + update - tensor, alpha=self._averaging_alpha)
+        async for index, (tensor, average) in aenumerate(azip(as_aiter(*tensors), runner)):
+            adopt(tensor, average, self._averaging_alpha)
+            if feedback is not None:  # the residual of this tensor is now final
                 with feedback.lock:
                     feedback.residuals[index].copy_(runner.tensor_part_container.kept[index])
             self.last_updated = get_dht_time()
@@ -83,13 +83,12 @@ async def run_allreduce_inplace_through_pipeline(self: DecentralizedAverager, te
             raise ValueError("aux peers should not receive averaged tensors")
 
 
-def _carry_residuals(runner: AllReduceRunner, inputs, carried, kwargs) -> None:
-    """Replace the runner's part container (built in its __init__) by one that carries the residuals."""
-    own_index = runner.ordered_peer_ids.index(runner.peer_id)
-    container_options = {key: kwargs[key] for key in ("compression", "part_size_bytes") if key in kwargs}
-    runner.tensor_part_container = FeedbackPartContainer(
-        inputs, runner.peer_fractions, carried, own_index, **container_options)
-    runner.parts_for_local_averaging = runner.tensor_part_container.get_raw_input_parts(own_index)
+def adopt(tensor, average, alpha: float) -> None:
+    """Move `tensor` to the round's `average`: with alpha 1, take its exact bits (what makes peers equal)."""
+    if alpha == 1:
+        tensor.copy_(average)
+    else:
+        tensor.lerp_(average.to(tensor.dtype), alpha)
 
 
 _AVERAGER = "hivemind.averaging.averager.DecentralizedAverager"

@@ -15,9 +15,10 @@ from averaging.pipeline.error_feedback import finite
 
 
 class FeedbackPartContainer(TensorPartContainer):
-    """hivemind's TensorPartContainer over x = g + e, which turns each reply into a delta to the average,
-    and keeps the residual of each part: x - decoded(x) where another peer reduced it, zero where this
-    peer did, the old one where the round failed to deliver it.
+    """hivemind's TensorPartContainer over x = g + e, whose output is the average (the canonical replies of
+    averaging/adapter/runner.py) and which keeps the residual of each part: x - decoded(x) where another peer
+    reduced it, zero where this peer did, the old one where the round failed to deliver it (where the
+    output is this peer's own g).
 
     :param carried: the residuals the round starts with, one per tensor (already added into `tensors`)
     """
@@ -27,7 +28,7 @@ class FeedbackPartContainer(TensorPartContainer):
         self.own_index = own_index
         self._sent_residuals: Dict[int, torch.Tensor] = {}  # data_ptr of a part -> its residual
         super().__init__(tensors, peer_fractions, compression=_Recording(compression, self._sent_residuals),
-                         return_deltas=True, **kwargs)
+                         return_deltas=False, **kwargs)
         self.carried = [residual.view(-1) for residual in carried]
         self.kept = [residual.clone() for residual in carried]  # a part left undelivered keeps its residual
         self._extents = [(tensor.data_ptr(), tensor.element_size(), tensor.numel()) for tensor in tensors]
@@ -47,17 +48,15 @@ class FeedbackPartContainer(TensorPartContainer):
         if peer_index == self.own_index:
             kept.zero_()
         else:
-            residual = self._sent_residuals.pop(sent.data_ptr())
-            kept.copy_(residual)
-            part = part - residual.to(part.dtype)  # x + reply - residual = the average of the decoded
+            kept.copy_(self._sent_residuals.pop(sent.data_ptr()))
         super().register_processed_part(peer_index, part_index, part)
 
     def register_failed_reducer(self, peer_index: int):
-        # upstream's, with this peer's g (not x) kept for the parts that will not come back
+        # upstream's, with this peer's g = x - e (not x) kept for the parts that will not come back
         for part_index in range(self._outputs_registered_by_peer[peer_index], self.num_parts_by_peer[peer_index]):
             sent = self._input_parts_by_peer[peer_index][part_index][0]
             carried, _ = self._slices(sent)
-            TensorPartContainer.register_processed_part(self, peer_index, part_index, -carried.to(sent.dtype))
+            TensorPartContainer.register_processed_part(self, peer_index, part_index, sent - carried.to(sent.dtype))
             self.failed_size += sent.numel()
 
 

@@ -13,10 +13,10 @@ import logging
 from typing import List, Optional, Sequence
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.p2p import PeerID
 
+from averaging.adapter.runner import CanonicalAllReduceRunner
 from averaging.pipeline.defence import Defence, Verdict
 from averaging.pipeline.robust import Contribution, Drop, NothingToAggregate, aggregate
 
@@ -117,8 +117,8 @@ class RobustPartReducer(TensorPartReducer):
         return verdicts
 
 
-class RobustAllReduceRunner(AllReduceRunner):
-    """hivemind's AllReduceRunner with a RobustPartReducer in place of its reducer."""
+class RobustAllReduceRunner(CanonicalAllReduceRunner):
+    """hivemind's AllReduceRunner, with canonical replies, and a RobustPartReducer in place of its reducer."""
 
     def __init__(self, *, defence: Defence, **kwargs):
         super().__init__(**kwargs)

@@ -46,7 +46,12 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_REDUCER}.reset_accumulators": ("5d3dc36f344a342e", "averaging/adapter/reducer.py"),
     f"{_REDUCER}.finalize": ("dded462a11871d59", "averaging/adapter/reducer.py"),
     "hivemind.averaging.allreduce.AllReduceRunner.__init__":
-        ("597a0c8dbbeabbe3", "averaging/adapter/reducer.py, averaging/adapter/allreduce.py"),
+        ("597a0c8dbbeabbe3", "averaging/adapter/reducer.py, averaging/adapter/runner.py"),
+    # subclassed by averaging/adapter/runner.py
+    "hivemind.averaging.allreduce.AllReduceRunner._accumulate_parts_streaming":
+        ("6c5a3c7266060303", "averaging/adapter/runner.py"),
+    "hivemind.averaging.allreduce.AllReduceRunner._communicate_with_peer":
+        ("d910885e9727ed48", "averaging/adapter/runner.py"),
     # subclassed by averaging/adapter/partition.py
     f"{_CONTAINER}.__init__": ("b652a9b7267354d8", "averaging/adapter/partition.py"),
     f"{_CONTAINER}.register_processed_part": ("ff5ebad6141c4a88", "averaging/adapter/partition.py"),

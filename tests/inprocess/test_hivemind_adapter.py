@@ -19,6 +19,7 @@ from averaging import adapter
 from averaging.adapter import numpy2, pacing, recorded_steps
 from averaging.adapter.partition import FeedbackPartContainer
 from averaging.adapter.reducer import RobustAllReduceRunner, RobustPartReducer
+from averaging.adapter.runner import CanonicalAllReduceRunner
 from averaging.adapter.state_averager import GuardedStateAverager, ReportingStateAverager
 from averaging.strategies.diloco import DiLoCoOptimizer
 from averaging.strategies.sync import SyncOptimizer
@@ -84,6 +85,7 @@ def test_install_puts_every_patch_in_place_and_twice_is_the_same_as_once():
     (FeedbackPartContainer, TensorPartContainer),
     (RobustPartReducer, TensorPartReducer),
     (RobustAllReduceRunner, AllReduceRunner),
+    (CanonicalAllReduceRunner, AllReduceRunner),
 ])
 def test_every_upstream_method_our_subclasses_override_is_fingerprinted(ours, upstream):
     for cls in ours.__mro__:

@@ -1,0 +1,112 @@
+"""Canonical replies (averaging/adapter/runner.py): peers that averaged together hold bit-identical tensors.
+
+With upstream's delta replies, three peers averaging bytelm-sized gradients ended with a quarter of their
+values a few ulps apart, and nearly all apart with an fp16 codec: no digest of their state could ever match.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+import torch
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.proto import runtime_pb2
+
+from averaging import adapter
+from averaging.adapter.runner import CanonicalAllReduceRunner
+
+from averaging.codecs.compression import make_codec
+from averaging.pipeline.defence import Defence
+from averaging.pipeline.robust import RobustPolicy
+from tests.inprocess.test_averaging import run_in_threads, start_dhts
+from tests.inprocess.test_robust_allreduce import SIZE, average_all, averagers, honest_values
+
+PEERS = 3
+
+
+def distinct_values(count: int):
+    # values whose mean is not exactly representable: delta replies would leave each peer a different rounding
+    return [honest_values(seed) * (1 + seed / 3) for seed in range(count)]
+
+
+def assert_bit_identical(group) -> None:
+    held = []
+    for averager in group:
+        with averager.get_tensors() as (tensor,):
+            held.append(tensor.clone())
+    for other in held[1:]:
+        assert torch.equal(held[0], other), f"{(held[0] != other).sum().item()} of {SIZE} values differ"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
+def test_three_peers_end_a_round_with_bit_identical_averages(codec):
+    values = distinct_values(PEERS)
+    with averagers([value.clone() for value in values], prefix=f"canonical_{codec}",
+                   compression=make_codec(codec)) as group:
+        results = average_all(group)
+        assert all(isinstance(result, dict) and len(result) == PEERS for result in results), results
+        assert_bit_identical(group)
+        with group[0].get_tensors() as (tensor,):
+            mean = sum(values) / PEERS
+            tolerance = {"none": 1e-6, "fp16": 1e-2, "int8": 0.05}[codec]  # what the codec itself loses
+            assert torch.allclose(tensor, mean, atol=tolerance)
+
+
+@pytest.mark.timeout(120)
+def test_robust_reducers_reply_canonically_too():
+    values = distinct_values(PEERS)
+    defences = [Defence(RobustPolicy()) for _ in range(PEERS)]
+    with averagers([value.clone() for value in values], defences=defences, prefix="canonical_robust",
+                   compression=make_codec("fp16")) as group:
+        results = average_all(group)
+        assert all(isinstance(result, dict) for result in results), results
+        assert_bit_identical(group)
+
+
+def serialized_reply(lossless: bool, senders_codec: str):
+    runner = CanonicalAllReduceRunner.__new__(CanonicalAllReduceRunner)  # just its reply cache
+    runner.lossless_replies, runner._replies = lossless, {}
+    runner._reply_codecs = {0: make_codec(senders_codec).compression_type}
+    average = torch.randn(64)
+
+    async def twice():
+        return await runner._serialized_average(0, average), await runner._serialized_average(0, average * 2)
+    return asyncio.new_event_loop().run_until_complete(twice())
+
+
+def test_a_part_is_serialized_once_with_its_senders_codec_or_losslessly_for_parameters():
+    first, second = serialized_reply(lossless=False, senders_codec="fp16")
+    assert first is second  # every sender gets the same bytes
+    assert first.compression == runtime_pb2.CompressionType.FLOAT16
+    first, _ = serialized_reply(lossless=True, senders_codec="fp16")
+    assert first.compression == runtime_pb2.CompressionType.NONE
+
+
+@pytest.mark.timeout(120)
+def test_parameter_averaging_with_a_lossy_codec_gives_every_peer_the_exact_mean():
+    adapter.install()
+    dhts = start_dhts(2)
+    values = distinct_values(2)
+    parameters = [torch.nn.Parameter(value.clone()) for value in values]
+    built = []
+    try:
+        for dht, parameter in zip(dhts, parameters):
+            built.append(TrainingStateAverager(
+                dht=dht, optimizer=functools.partial(torch.optim.SGD, lr=0.1), params=[parameter],
+                prefix="canonical_state", target_group_size=2, min_group_size=2, min_matchmaking_time=2.0,
+                request_timeout=1.0, compression=make_codec("fp16"), start=True))
+
+        def average(index):
+            return lambda: built[index].step(averaging_round=True, averaging_opts=dict(timeout=30))
+        run_in_threads(average(0), average(1), timeout=60)
+        mean = (values[0] + values[1]) / 2
+        assert torch.equal(parameters[0].detach(), parameters[1].detach())
+        # replies in fp16 would round each parameter by up to 1e-3 of its size; the senders' fp16 parts cost less
+        assert (parameters[0].detach() - mean).abs().max() < (mean.half().float() - mean).abs().max()
+    finally:
+        for averager in built:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
