@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ContextManager, Iterable, List, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -74,9 +74,17 @@ class AveragingHooks:
     """A reducer of this peer left another peer's contribution out (reason: averaging/pipeline/robust.py's Drop)."""
     peer_excluded: Callable[[str], None] = lambda peer_id: None
     """This peer excluded another one (base58 id) after repeated dropped contributions."""
+    state_checked: Callable[[Any], None] = lambda check: None
+    """This peer compared its state with the swarm's (averaging/swarm/digests.py StateCheck): once per change,
+    and at each epoch it is found apart. Called from a background thread."""
+    download_rejected: Callable[[str, str], None] = lambda donor, reason: None
+    """A downloaded state from `donor` (base58) was refused, for `reason` (averaging/swarm/digests.py)."""
     before_round: Callable[[int], None] = lambda epoch: None
     """Called as this peer's averaging round at local `epoch` begins (sync, diloco); an exception it raises fails
     the round like any other failure. For fault injection in tests (peer/testing/faults.py)."""
+    serve_state: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
+    """What this peer serves to a peer downloading its state, instead of its state (None: its state). For fault
+    injection in tests: a hostile donor (peer/testing/faults.py)."""
     guards_gradients: Callable[[], bool] = lambda: True
     """Whether a batch whose gradients hold NaN or Inf is dropped before it reaches the swarm (sync). Always, but
     for fault injection in tests: a hostile peer that sends them on purpose."""

@@ -57,6 +57,9 @@ class Strategy:
     """The AveragingConfig fields every peer of a run must share with it, checked through the run manifest."""
     refuses: Mapping[str, str] = field(default_factory=dict)
     """Settings it cannot work with (of averaging/config.py's REFUSABLE) -> why; the config's error says it."""
+    one_state: bool = False
+    """Whether its peers end each global epoch with one state, bit for bit, which they check by digest
+    (averaging/swarm/digests.py); with delayed updates, no strategy's state is checked."""
 
     def uses(self, setting: str) -> bool:
         """Whether `setting` is in its config section."""
@@ -78,6 +81,7 @@ _DECLARED = (
         builder="averaging.strategies.sync:build_sync",
         payload=Payload(GRADIENTS, "grad_compression"),
         shared_settings=(*_CODECS, *_STATE_ROUNDS),
+        one_state=True,
     ),
     Strategy(
         name="local-sgd",
@@ -100,6 +104,7 @@ _DECLARED = (
         settings=("powersgd_rank",),
         shared_settings=(*_CODECS, *_STATE_ROUNDS, "powersgd_rank"),
         refuses={"error_feedback": "PowerSGD carries its own error feedback"},
+        one_state=True,
     ),
     Strategy(
         name="diloco",
@@ -114,6 +119,7 @@ _DECLARED = (
                                  "batch",
             "average_opt_statistics": "it averages pseudo-gradients, not state",
         },
+        one_state=True,
     ),
     Strategy(
         name="none",

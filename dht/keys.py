@@ -56,6 +56,11 @@ class SwarmKeys:
         return f"{self.namespace}_clock"
 
     @property
+    def digests(self) -> str:
+        """Every peer's state digests of its recent epochs (averaging/swarm/digests.py)."""
+        return f"{self.namespace}_digests"
+
+    @property
     def start_gate(self) -> str:
         """When each waiting peer saw the --min-peers quorum."""
         return f"{self.progress}_start"

@@ -1,7 +1,8 @@
 """Signed, typed swarm records: who is in the run, how each peer is doing, and what the run is.
 
-Each peer publishes a PeerInfo under the key "<run_id>_peers", and a copy of the run's manifest
-(dht/manifest.py) under "<training namespace>_manifest", each in a subkey that holds its
+Each peer publishes a PeerInfo under the key "<run_id>_peers", a copy of the run's manifest
+(dht/manifest.py) under "<training namespace>_manifest", and its state digests under
+"<training namespace>_digests", each in a subkey that holds its
 own RSA public key. hivemind's RSASignatureValidator then lets only the owner of that key
 write the subkey, and SchemaValidator rejects values of the wrong shape. hivemind's
 schema validation is built on pydantic v1 models, so these records use `pydantic.v1`.
@@ -34,6 +35,7 @@ PUBLISH_PERIOD_SECONDS = 3.0
 MAX_VALUE_BYTES = 4096  # serialized and signed; a typical PeerInfo takes under 1 KiB
 MAX_TTL_SECONDS = 3600.0  # generous: clocks of volunteers' machines drift
 CLOCK_RECORD_TTL_SECONDS = 7200.0  # dht/clock.py: long enough to reach a peer whose clock is an hour ahead
+MAX_DIGEST_EPOCHS = 16
 
 
 class PeerInfo(BaseModel):
@@ -52,6 +54,9 @@ class PeerInfo(BaseModel):
     bottleneck: Optional[constr(strict=True, max_length=32)] = None
     val_loss: Optional[StrictFloat] = None
     """The peer's last validation loss (the monitor's page charts it); finite, or None before the first."""
+    state: Optional[constr(strict=True, regex=r"^(agrees|apart)$")] = None
+    """Whether its state digest is the swarm's at the last epoch it compared (averaging/swarm/digests.py);
+    None before a comparison, or with a strategy whose peers hold different states."""
 
     @validator("val_loss")
     def _finite_val_loss(cls, value: Optional[float]) -> Optional[float]:  # noqa: N805 (pydantic's signature)
@@ -84,9 +89,28 @@ class ClockRecord(BaseModel):
     time: confloat(strict=True)
 
 
+_DIGEST_HEX = constr(strict=True, regex=r"^[0-9a-f]{16,64}$")
+
+
+class StateDigests(BaseModel):
+    """A peer's digests of the state it held at its recent epochs (averaging/swarm/digests.py)."""
+
+    peer_id: constr(strict=True, max_length=128)
+    """Its libp2p peer id (base58): which donor serves this state."""
+    digests: Dict[constr(strict=True, regex=r"^[0-9]{1,12}$"), _DIGEST_HEX]
+    """By epoch (as text: the DHT's msgpack keeps dict keys as they are, and JSON would not)."""
+
+    @validator("digests")
+    def _few_epochs(cls, value: dict) -> dict:  # noqa: N805 (pydantic's signature)
+        if len(value) > MAX_DIGEST_EPOCHS:
+            raise ValueError(f"at most {MAX_DIGEST_EPOCHS} epochs")
+        return value
+
+
 class TrainingRecordsSchema(BaseModel):
     manifest: Dict[BytesWithPublicKey, Optional[RunManifest]]
     clock: Dict[BytesWithPublicKey, Optional[ClockRecord]]
+    digests: Dict[BytesWithPublicKey, Optional[StateDigests]]
 
 
 class RecordLimitsValidator(RecordValidatorBase):
@@ -122,7 +146,7 @@ def record_validators(keys: SwarmKeys) -> List:
     return [
         SchemaValidator(SwarmRecordsSchema, prefix=keys.run_id),
         SchemaValidator(TrainingRecordsSchema, prefix=keys.namespace),
-        RecordLimitsValidator([keys.peers, keys.manifest]),
+        RecordLimitsValidator([keys.peers, keys.manifest, keys.digests]),
         # a clock record must outlive a clock that runs ahead (dht/clock.py)
         RecordLimitsValidator([keys.clock], max_ttl_seconds=MAX_TTL_SECONDS + CLOCK_RECORD_TTL_SECONDS),
         RSASignatureValidator(),

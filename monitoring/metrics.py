@@ -25,6 +25,9 @@ ROUND_OUTCOMES = ("ok", "partial", "failed", "timeout", "skipped")
 DROP_REASONS = ("weight", "non-finite", "norm", "direction")
 """Values of the `reason` label of `peer_dropped_contributions_total` (averaging/pipeline/robust.py)."""
 
+REJECTION_REASONS = ("digest_mismatch", "not_majority", "unpublished")
+"""Values of the `reason` label of `peer_rejected_state_downloads_total` (averaging/swarm/digests.py)."""
+
 ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, math.inf)
 """Averaging round durations: from a LAN round of tens of ms to a 5-minute timeout."""
 
@@ -51,6 +54,9 @@ PEER_METRICS: Dict[str, str] = {
     "peer_checkpoint_failures_total": "counter",
     "peer_dropped_contributions_total": "counter",
     "peer_exclusions_total": "counter",
+    "peer_state_agrees": "gauge",
+    "peer_state_disagreements_total": "counter",
+    "peer_rejected_state_downloads_total": "counter",
     "peer_info": "gauge",
     "peer_gpu_memory_allocated_bytes": "gauge",
     "peer_gpu_memory_peak_bytes": "gauge",
@@ -155,6 +161,19 @@ class PeerMetrics:
             "Peers this peer excluded from averaging and state sharing after repeated dropped contributions.",
             registry=r,
         )
+        self.state_agrees = Gauge(
+            "peer_state_agrees",
+            "1 while this peer's state digest is the swarm's at the last epoch compared, 0 while it is apart; "
+            "NaN before any comparison (or with a strategy whose peers hold different states).", registry=r,
+        )
+        self.state_disagreements = Counter(
+            "peer_state_disagreements",
+            "Epochs at which this peer found its state apart from the swarm's (then it downloads).", registry=r,
+        )
+        self.rejected_downloads = Counter(
+            "peer_rejected_state_downloads",
+            "Downloaded states refused before they were applied, by reason.", ["reason"], registry=r,
+        )
         self.info = Gauge(
             "peer_info", "Constant 1, labelled with this peer's software version, device, strategy and compression.",
             list(INFO_LABELS), registry=r,
@@ -180,6 +199,9 @@ class PeerMetrics:
             self.averaging_rounds.labels(outcome=outcome)
         for reason in DROP_REASONS:
             self.dropped_contributions.labels(reason=reason)
+        for reason in REJECTION_REASONS:
+            self.rejected_downloads.labels(reason=reason)
+        self.state_agrees.set(math.nan)
         self.train_loss.set(math.nan)  # NaN, not 0, until a loss is known: 0 would read as a perfect model
         self.validation_loss.set(math.nan)
 
@@ -236,6 +258,17 @@ class PeerMetrics:
     def record_exclusion(self) -> None:
         """This peer excluded another one."""
         self.exclusions.inc()
+
+    def record_state_check(self, agrees: bool) -> None:
+        """This peer compared its state digest with the swarm's (once per change, and per epoch it is apart)."""
+        self.state_agrees.set(1.0 if agrees else 0.0)
+        if not agrees:
+            self.state_disagreements.inc()
+
+    def record_rejected_download(self, reason: str) -> None:
+        if reason not in REJECTION_REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}; reasons are {', '.join(REJECTION_REASONS)}")
+        self.rejected_downloads.labels(reason=reason).inc()
 
     def set_info(self, version: str, device: str, strategy: str, compression: str) -> None:
         """Describe this peer; replaces any earlier description, so `peer_info` has exactly one series."""

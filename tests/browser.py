@@ -39,7 +39,8 @@ def wait_for(chrome, condition: Callable[[], bool], timeout: float = 20.0) -> No
 
 
 def peer_rows(chrome) -> list:
-    """Each peer row's cells as text: peer, device, epoch, samples/s, val loss, time split, bottleneck, last seen.
+    """Each peer row's cells as text: peer, device, epoch, samples/s, val loss, time split, bottleneck, last seen,
+    state.
     Read in one script: the page rebuilds its rows on every refresh, so element handles go stale."""
     return chrome.execute_script(
         "return [...document.querySelectorAll('#peers tbody tr')].map("

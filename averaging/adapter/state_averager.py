@@ -2,7 +2,12 @@
 
 - GuardedStateAverager discards a parameter-averaging result holding NaN or Inf, and its state
   download raises StateDownloadFailed unless a peer's state was really loaded (upstream returns
-  None either way) and is finite.
+  None either way) and is finite. A `check_download` (averaging/strategies/agreement.py) sees a
+  downloaded state before anything of it is applied, and may refuse it (DownloadRejected).
+- It serves a consistent state: upstream hands the averager process references to the live tensors,
+  which a step may change while they are being sent (and it counts the new epoch before the step
+  runs). Here a step and the snapshot of what is served hold one lock (`serving_lock`), and the
+  snapshot is a copy; `served_digest` digests the same state under the same lock.
 - ReportingStateAverager also reports every parameter-averaging round: local-sgd's only rounds, and
   sync's rounds that undo drift (a peer left out of its group's last one is apart from it).
 
@@ -11,8 +16,9 @@ Both override upstream methods, fingerprinted in averaging/adapter/upstream.py.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Callable
+from typing import Callable, List, Optional
 
 import hivemind
 import torch
@@ -21,29 +27,78 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from averaging.api import RoundReport
 from averaging.pipeline import completeness
 from averaging.pipeline.guards import all_finite
+from averaging.pipeline.state_digest import state_digest
 
 logger = logging.getLogger(__name__)
+
+
+HOSTILE_DONOR_BONUS = 0.9
 
 
 class StateDownloadFailed(RuntimeError):
     """No peer sent a usable state."""
 
 
+class DownloadRejected(StateDownloadFailed):
+    """A downloaded state failed its check; nothing of it was applied."""
+
+
 class _DownloadRecorder(hivemind.DecentralizedAverager):
-    """Remembers what the last state download returned: TrainingStateAverager, which sits above this
-    class in the method order, returns None whether or not any peer sent its state."""
+    """Remembers what the last state download returned (TrainingStateAverager, which sits above this
+    class in the method order, returns None whether or not any peer sent its state), after
+    `check_download(metadata, tensors)` had its say: it raises DownloadRejected to refuse it."""
 
     last_download = None
+    check_download: Optional[Callable[[dict, List[torch.Tensor]], None]] = None
 
     def load_state_from_peers(self, *args, **kwargs):
-        self.last_download = super().load_state_from_peers(*args, **kwargs)
-        return self.last_download
+        loaded = super().load_state_from_peers(*args, **kwargs)
+        if loaded is not None and self.check_download is not None:
+            self.check_download(*loaded)
+        self.last_download = loaded
+        return loaded
 
 
 class GuardedStateAverager(TrainingStateAverager, _DownloadRecorder):
-    """TrainingStateAverager that discards a parameter-averaging result holding NaN or Inf, and
-    whose state download raises StateDownloadFailed unless a peer's state was actually loaded."""
+    """TrainingStateAverager that discards a parameter-averaging result holding NaN or Inf, whose state
+    download raises StateDownloadFailed unless a peer's state was actually loaded, and which serves a
+    consistent copy of its state.
 
+    :param serve: what it serves instead of its state's tensors (tests' hostile donor; None: its state)
+    """
+
+    def __init__(self, *, serve: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None, **kwargs):
+        self.serving_lock = threading.RLock()
+        self._serve = serve
+        super().__init__(**kwargs)
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return hivemind.DecentralizedAverager.state_sharing_priority.fget(self)
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        # a hostile donor (tests) claims to be a step ahead, so that peers downloading pick it first
+        bonus = HOSTILE_DONOR_BONUS if self._serve is not None else 0.0
+        hivemind.DecentralizedAverager.state_sharing_priority.fset(self, value + bonus)
+
+    def step(self, *args, **kwargs):
+        if kwargs.get("delay_optimizer_step") or kwargs.get("delay_averaging"):
+            return super().step(*args, **kwargs)  # goes on in the background: its state is never digested
+        with self.serving_lock:
+            return super().step(*args, **kwargs)
+
+    def get_current_state(self):
+        with self.serving_lock:
+            metadata, tensors, infos = super().get_current_state()
+            tensors = [tensor.clone() for tensor in tensors]
+        return metadata, (self._serve(tensors) if self._serve is not None else tensors), infos
+
+    def served_digest(self, select: slice) -> str:
+        """The digest of the `select`ed tensors of what this averager serves now (averaging/swarm/digests.py)."""
+        with self.serving_lock:
+            _, tensors, _ = super().get_current_state()
+            return state_digest(tensors[select])
     def _apply_averaging_results_(self):
         with self.get_tensors() as averaged:
             finite = all_finite(averaged)
@@ -54,6 +109,10 @@ class GuardedStateAverager(TrainingStateAverager, _DownloadRecorder):
         super()._apply_averaging_results_()
 
     def load_state_from_peers(self, **kwargs) -> None:
+        with self.serving_lock:
+            self._load_state_from_peers_guarded(**kwargs)
+
+    def _load_state_from_peers_guarded(self, **kwargs) -> None:
         params = [param for group in self.optimizer.param_groups for param in group["params"]]
         with torch.no_grad():
             before = [param.detach().clone() for param in params]

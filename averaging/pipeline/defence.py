@@ -14,18 +14,14 @@ A Defence is made in the peer's main process and included in the pipeline of eve
 """
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import queue
 from dataclasses import dataclass
 from typing import List, Sequence
 
-from hivemind.p2p import PeerID
-
+from averaging.pipeline.peer_set import SharedPeerSet
 from averaging.pipeline.robust import RobustPolicy
 from averaging.pipeline.round_pipeline import RoundStage
-
-EXCLUDED_CAPACITY_BYTES = 64 * 1024  # about 1200 base58 peer ids
 
 
 @dataclass(frozen=True)
@@ -43,27 +39,17 @@ class Defence(RoundStage):
 
     def __init__(self, policy: RobustPolicy):
         self.policy = policy
-        self._excluded = mp.Array(ctypes.c_char, EXCLUDED_CAPACITY_BYTES, lock=True)
+        self._excluded = SharedPeerSet()
         self._verdicts = mp.Queue()
-        self._cached_raw, self._cached = b"", frozenset()
 
     def excluded(self) -> frozenset:
         """The excluded peers, as PeerIDs (read from shared memory, parsed once per change)."""
-        with self._excluded.get_lock():
-            raw = self._excluded.value
-        if raw != self._cached_raw:
-            names = raw.decode().split()
-            self._cached_raw, self._cached = raw, frozenset(PeerID.from_base58(name) for name in names)
-        return self._cached
+        return self._excluded.get()
 
     def set_excluded(self, peers: Sequence[str]) -> None:
-        raw = " ".join(peers).encode()
-        if len(raw) >= EXCLUDED_CAPACITY_BYTES:
-            raise ValueError(f"too many excluded peers to share ({len(peers)})")
-        with self._excluded.get_lock():
-            self._excluded.value = raw
+        self._excluded.set(peers)
 
-    def refuses(self, peer_id: PeerID) -> bool:
+    def refuses(self, peer_id) -> bool:
         return peer_id in self.excluded()
 
     def report(self, verdicts: List[Verdict]) -> None:

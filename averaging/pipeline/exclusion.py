@@ -7,6 +7,9 @@ run on it: a group of three cannot tell a sign flip, and such rounds would other
 window (in groups of 3 and 4 under load, the sign flipper went unexcluded for 120 s). Exclusion lasts
 for the rest of the run, or `seconds` when set; it is logged once with the peer's id and counted. This
 peer is never judged: reducers leave their own contribution out of the verdicts.
+
+A donor that served a state other than the one it published (BAD_STATE, averaging/swarm/digests.py) is
+excluded at its first offence: an honest donor's served state is its published one, bit for bit.
 """
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ from typing import Callable, Deque, Dict, Iterable, List, Optional, Tuple
 from averaging.pipeline.defence import Defence, Verdict
 
 logger = logging.getLogger(__name__)
+
+BAD_STATE = "bad_state"
+IMMEDIATE_OFFENCES = (BAD_STATE,)
 
 
 @dataclass(frozen=True)
@@ -46,12 +52,14 @@ class ExclusionBook:
             recent = self._recent.setdefault(verdict.peer, deque(maxlen=self.rule.window))
             recent.append(verdict.offence)
             offences = [offence for offence in recent if offence]
-            if len(offences) >= self.rule.threshold:
+            if len(offences) >= self.rule.threshold or verdict.offence in IMMEDIATE_OFFENCES:
                 self._until[verdict.peer] = self.clock() + (self.rule.seconds or float("inf"))
                 del self._recent[verdict.peer]
                 reasons = ", ".join(sorted(set(offences)))
                 why = (f"{len(offences)} of its last {len(recent)} judged rounds were dropped ({reasons}; "
                        f"last: {verdict.detail or verdict.offence})")
+                if verdict.offence in IMMEDIATE_OFFENCES:
+                    why = verdict.detail or verdict.offence
                 newly_excluded.append((verdict.peer, why))
         return newly_excluded
 

@@ -9,7 +9,9 @@ In order, for each round of an averager:
    and combined robustly (robust.py), its verdicts go to exclusion (exclusion.py), and excluded peers are
    refused in matchmaking and state sharing;
 4. completeness (completeness.Completeness): the share of the average that never reached this peer is
-   recorded, so that the training process can tell a partial round from a whole one.
+   recorded, so that the training process can tell a partial round from a whole one;
+5. the state digest (donors.DonorFilter): a state download skips the donors whose state is not the swarm's
+   (averaging/swarm/digests.py).
 
 A stage is a small object with the hooks it needs (RoundStage); a RoundPipeline is the ordered tuple of the
 stages one averager carries. hivemind starts an averager's process from its constructor, so nothing can be
@@ -38,6 +40,10 @@ class RoundStage:
         """Whether this averager must neither average with `peer_id` nor share state with it."""
         return False
 
+    def refuses_donor(self, peer_id) -> bool:
+        """Whether this averager must not download state from `peer_id` now (it may still average with it)."""
+        return False
+
     def finish(self, group_id: bytes, failed_size: int, total_size: int) -> None:
         """In the averager's process, after each all-reduce of group `group_id` (sizes in tensor elements)."""
 
@@ -59,6 +65,9 @@ class RoundPipeline:
 
     def refuses(self, peer_id) -> bool:
         return any(stage.refuses(peer_id) for stage in self.stages)
+
+    def refuses_donor(self, peer_id) -> bool:
+        return any(stage.refuses(peer_id) or stage.refuses_donor(peer_id) for stage in self.stages)
 
     def finish(self, group_id: bytes, failed_size: int, total_size: int) -> None:
         for stage in self.stages:

@@ -57,6 +57,7 @@ from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.pipeline.error_feedback import ErrorFeedback
 from averaging.pipeline.round_pipeline import including
+from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.membership import SharesState, join_or_terminate, step_scheduler_to
 from averaging.strategies.outer import OuterRound, collect_round, launch_round, outer_nesterov_step_
 from averaging.strategies.parts import StrategyParts
@@ -80,6 +81,7 @@ class DiLoCoOptimizer(SharesState):
         matchmaking_floor: float = 5.0,
         allreduce_timeout: float = 60.0,
         error_feedback: Optional[ErrorFeedback] = None,
+        agreement: Optional[StateAgreement] = None,
     ):
         dht, keys = replica.dht, replica.keys
         self.error_feedback = error_feedback
@@ -105,6 +107,7 @@ class DiLoCoOptimizer(SharesState):
         progress.believe_plausible_claims(self.tracker, self.signing_key, matchmaking_floor,
                                           excluded=self.rounds.excluded_peer_ids)
         self.state_averager = GuardedStateAverager(
+            serve=self.rounds.hooks.serve_state,
             dht=dht,
             prefix=keys.diloco_state,
             optimizer=replica.optimizer_factory,
@@ -139,6 +142,9 @@ class DiLoCoOptimizer(SharesState):
         self._inner_steps = self._samples = self._samples_stepped = 0
         self._check_sync_on_next_step = True
         self._flight: Optional[OuterRound] = None  # --diloco-overlap: the round whose average has not landed yet
+        # peers agree on the outer state (round-start parameters and outer momentum), served after the parameters
+        count = len(self.main_parameters)
+        self._start_agreement(agreement, slice(count, 3 * count))
 
     # --- the Protocols, beyond what SharesState already offers ------------------------------
 
@@ -245,6 +251,7 @@ class DiLoCoOptimizer(SharesState):
                 self._land()
 
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
+        self._close_agreement()
         self._abandon_flight()
         self.tracker.shutdown(min(5.0, timeout_seconds))
         for averager in (self.state_averager, self.grad_averager):
@@ -271,18 +278,21 @@ class DiLoCoOptimizer(SharesState):
             else:
                 with self.rounds.phase("averaging"):
                     report, averaged = self._collect(self._launch(pseudo_grads))
-                with torch.no_grad(), self.state_averager.lock_averaged_tensors:
-                    outer_nesterov_step_(self.global_params, self.outer_momentum, averaged, self.config.outer_lr,
-                                         self.config.outer_momentum)
-                self._load_round_start_into_model()
-            self.state_averager.local_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
-            step_scheduler_to(self.scheduler, self.local_epoch)
-            self._start_next_round()
+            with self.state_averager.serving_lock:  # what it serves is the old state or the new one, whole
+                if report is not None:
+                    with torch.no_grad(), self.state_averager.lock_averaged_tensors:
+                        outer_nesterov_step_(self.global_params, self.outer_momentum, averaged,
+                                             self.config.outer_lr, self.config.outer_momentum)
+                    self._load_round_start_into_model()
+                self.state_averager.local_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
+                step_scheduler_to(self.scheduler, self.local_epoch)
+                self._start_next_round()
         if report is not None:
             self._round_finished(report)
 
     def _round_finished(self, report: RoundReport) -> None:
-        # others may have averaged without us: then take their state
+        # the outer state of this epoch is final; others may have averaged without us: then take their state
+        self._record_state()
         self.rounds.finish_round(report, others_present=self._others_present())
         self._after_round()
 
@@ -291,7 +301,7 @@ class DiLoCoOptimizer(SharesState):
         it made since the launch."""
         flight, self._flight = self._flight, None
         report, averaged = self._collect(flight)
-        with torch.no_grad(), self.state_averager.lock_averaged_tensors:
+        with self.state_averager.serving_lock, torch.no_grad(), self.state_averager.lock_averaged_tensors:
             before = [start.clone() for start in self.global_params]
             outer_nesterov_step_(self.global_params, self.outer_momentum, averaged, self.config.outer_lr,
                                  self.config.outer_momentum)
@@ -360,5 +370,5 @@ def build_diloco(config: AveragingConfig, replica: Replica, parts: StrategyParts
     return DiLoCoOptimizer(
         config, replica, rounds=parts.rounds, tracker_opts=parts.tracker_opts, averager_opts=parts.averager_opts,
         matchmaking_floor=parts.matchmaking_floor, allreduce_timeout=parts.allreduce_timeout,
-        error_feedback=parts.error_feedback,
+        error_feedback=parts.error_feedback, agreement=parts.agreement,
     )

@@ -20,6 +20,7 @@ from averaging.pipeline.exclusion import ExclusionBook, ExclusionRule, Exclusion
 from averaging.pipeline.robust import RobustPolicy
 from averaging.pipeline.round_pipeline import including
 from averaging.registry import STRATEGIES
+from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.parts import StrategyParts
 from averaging.strategies.rounds import RoundKeeper
 
@@ -47,10 +48,19 @@ def build_swarm_optimizer(
     exclusion = ExclusionWatch(defence, book, on_drop=replica.hooks.contribution_dropped,
                                on_exclude=replica.hooks.peer_excluded)
     rounds = RoundKeeper(replica.hooks, _deadlines(config), exclusion=exclusion)
+    strategy = STRATEGIES[config.strategy]
+    agreement = None
+    if strategy.one_state and not config.delay_updates:
+        agreement = StateAgreement(replica.dht, replica.keys.digests, replica.hooks, defence,
+                                   ttl_seconds=progress_record_ttl_seconds(config))
+    parts = _parts(config, tracker_opts, rounds, agreement)
     try:
-        with including(defence):  # every averager forked below carries it
-            return STRATEGIES[config.strategy].load_builder()(config, replica, _parts(config, tracker_opts, rounds))
+        # every averager forked below carries them
+        with including(defence), including(agreement.donor_filter if agreement else None):
+            return strategy.load_builder()(config, replica, parts)
     except BaseException:
+        if agreement is not None:
+            agreement.close()
         exclusion.close()
         raise
 
@@ -64,7 +74,8 @@ def _deadlines(config: AveragingConfig) -> AdaptiveDeadlines:
     )
 
 
-def _parts(config: AveragingConfig, tracker_opts: Optional[dict], rounds: RoundKeeper) -> StrategyParts:
+def _parts(config: AveragingConfig, tracker_opts: Optional[dict], rounds: RoundKeeper,
+           agreement: Optional[StateAgreement]) -> StrategyParts:
     # what the averager processes fix at start: the matchmaking floor and the all-reduce timeout
     matchmaking_floor = config.seconds("matchmaking_seconds") or config.matchmaking_seconds_min
     return StrategyParts(
@@ -75,4 +86,5 @@ def _parts(config: AveragingConfig, tracker_opts: Optional[dict], rounds: RoundK
         matchmaking_floor=matchmaking_floor,
         allreduce_timeout=config.seconds("averaging_timeout_seconds") or config.averaging_timeout_seconds_max,
         error_feedback=ErrorFeedback() if config.uses_error_feedback else None,
+        agreement=agreement,
     )

@@ -21,6 +21,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from averaging.api import SwarmView
 from averaging.deadlines import Deadlines
+from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.rounds import RoundKeeper
 from averaging.swarm import progress
 from averaging.swarm.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
@@ -78,9 +79,31 @@ class SharesState(ReportsProgress):
         declare_whole(self.donor_averagers, self.local_epoch)
 
     def _resync_due(self) -> bool:
-        """Whether to download now: a round left this peer apart, or the swarm was ahead once its epoch settled."""
+        """Whether to download now: a round left this peer apart, the swarm was ahead once its epoch settled, or
+        its state is not the one the swarm holds."""
         return (self.rounds.take_resync(self._donors, self._become_reference)
-                or self.rounds.behind_after_settling(self.local_epoch, self.swarm_view))
+                or self.rounds.behind_after_settling(self.local_epoch, self.swarm_view)
+                or (self.agreement is not None and self.agreement.apart()))
+
+    # --- state digests (averaging/strategies/agreement.py) ---------------------------------------
+
+    agreement: Optional[StateAgreement] = None
+
+    def _start_agreement(self, agreement: Optional[StateAgreement], select: slice) -> None:
+        """Check the `select`ed tensors of what the state averager serves against the swarm's, every epoch."""
+        self.agreement = agreement
+        if agreement is not None:
+            self.state_averager.check_download = agreement.check_download
+            agreement.start(select, expected_peers=lambda: self.tracker.global_progress.num_peers)
+
+    def _record_state(self) -> None:
+        """The state of this epoch is final: digest and publish it."""
+        if self.agreement is not None:
+            self.agreement.record(self.local_epoch, self.state_averager.served_digest(self.agreement.select))
+
+    def _close_agreement(self) -> None:
+        if self.agreement is not None:
+            self.agreement.close()
 
     def _after_round(self) -> None:
         """After a round: rank below the whole peers while apart, and choose the deadlines again ('auto')."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from averaging.pipeline.error_feedback import ErrorFeedback
+from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.rounds import RoundKeeper
 
 
@@ -26,3 +27,5 @@ class StrategyParts:
     """The longest all-reduce, fixed in the averager processes at start."""
     error_feedback: Optional[ErrorFeedback] = None
     """Carries the gradient codec's loss between rounds, where the config asks for it."""
+    agreement: Optional[StateAgreement] = None
+    """State digests, where the strategy's peers end each epoch with one state (its builder starts it)."""

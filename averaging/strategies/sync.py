@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
-from typing import Tuple
+from typing import Optional, Tuple
 
 from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
@@ -43,6 +43,7 @@ from averaging.config import AveragingConfig
 from averaging.deadlines import Deadlines
 from averaging.pipeline import completeness
 from averaging.pipeline.guards import all_finite
+from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.membership import SharesState, join_or_terminate
 from averaging.strategies.parts import StrategyParts
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
@@ -62,6 +63,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
         rounds: RoundKeeper,
         signing_key: RSAPrivateKey,
         report_state_rounds: bool = False,
+        agreement: Optional[StateAgreement] = None,
         **kwargs,
     ):
         self.keys, self.rounds, self.signing_key = keys, rounds, signing_key
@@ -77,6 +79,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
                                           excluded=self.rounds.excluded_peer_ids)
         if rounds.deadlines.auto:
             self._apply_deadlines(rounds.deadlines.current)
+        self._start_agreement(agreement, slice(None))  # everything it serves: parameters and optimizer state
 
     # --- the Protocols, beyond what hivemind.Optimizer and SharesState already offer ---------------
 
@@ -116,6 +119,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
 
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
         """Upstream's goodbye, then a bounded wait for each averager process (terminated if it hangs)."""
+        self._close_agreement()
         super().shutdown()
         join_or_terminate((self.state_averager, self.grad_averager), timeout_seconds)
         self.rounds.close()
@@ -126,6 +130,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
         report = self.rounds.hooks.round_finished if self.report_state_rounds else self._state_round_finished
         return ReportingStateAverager(
             report=report,
+            serve=self.rounds.hooks.serve_state,
             dht=self.dht,
             prefix=self.keys.state_averager,
             min_matchmaking_time=self.matchmaking_time,
@@ -144,6 +149,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
     def entered_global_epoch(self) -> None:
         if self.use_gradient_averaging:  # with local updates (local-sgd), peers reach an epoch at their own pace
             self.rounds.entered_epoch()
+        self._record_state()
         self._after_round()
 
     def accepts_batch(self) -> bool:
@@ -251,6 +257,7 @@ def build_sync(config: AveragingConfig, replica: Replica, parts: StrategyParts, 
         rounds=parts.rounds,
         signing_key=signing_key,
         error_feedback=parts.error_feedback,
+        agreement=parts.agreement,
         dht=replica.dht,
         params=replica.params,
         optimizer=replica.optimizer_factory,

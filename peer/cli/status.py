@@ -211,6 +211,7 @@ def describe_peer(info, now: float) -> Dict[str, Any]:
         "bottleneck": info.bottleneck,
         "fractions": info.fractions,
         "val_loss": info.val_loss,
+        "state": info.state,
         "uptime_seconds": round(info.uptime_seconds, 1),
         "last_seen_seconds": round(max(0.0, now - info.time), 1),
     }
@@ -225,12 +226,13 @@ def print_table(report: Dict[str, Any], clear: bool = False) -> None:
         console = Console(width=120)
     table = Table(title=f"swarm {swarm['run_id']}", title_justify="left")
     for column, justify in [("peer", "left"), ("device", "left"), ("samples/s", "right"), ("epoch", "right"),
-                            ("bottleneck", "left"), ("last seen", "right")]:
+                            ("bottleneck", "left"), ("state", "left"), ("last seen", "right")]:
         table.add_column(column, justify=justify, no_wrap=column != "device")
     for peer in report["peers"]:
         table.add_row(
             peer["short_id"] + (" (client)" if peer["client_mode"] else ""), peer["device"],
             f"{peer['samples_per_second']:.1f}", str(peer["epoch"]), peer["bottleneck"] or "-",
+            {"agrees": "the swarm's", "apart": "apart"}.get(peer["state"], "-"),
             f"{peer['last_seen_seconds']:.0f}s ago",
         )
     eta = swarm["eta_next_epoch_seconds"]

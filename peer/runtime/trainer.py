@@ -58,12 +58,15 @@ class RoundTally:
         self.summary, self.observer = summary, observer
         self.payload_bytes = payload_bytes  # after compression: one contribution and the replies to it
         self.last_outcome: Optional[str] = None
+        self.state: Optional[str] = None  # "agrees" or "apart": the last comparison with the swarm's state
 
     def hooks(self, timer: PhaseTimer, faults: Optional[FaultInjector] = None) -> AveragingHooks:
         faults = faults or FaultInjector()
         return AveragingHooks(phase=timer.phase, round_finished=self.on_round, state_loaded=self.on_state_loaded,
                               contribution_dropped=self.on_dropped_contribution, peer_excluded=self.on_exclusion,
-                              before_round=faults.before_round, guards_gradients=faults.guards_gradients)
+                              before_round=faults.before_round, guards_gradients=faults.guards_gradients,
+                              serve_state=faults.serve_state_hook(), state_checked=self.on_state_check,
+                              download_rejected=self.on_download_rejected)
 
     def on_round(self, report: RoundReport) -> None:
         self.last_outcome = report.outcome
@@ -78,7 +81,17 @@ class RoundTally:
         logger.info(f"downloaded the swarm's state: now at epoch {epoch}")
         self.observer.on_state_loaded(epoch)
 
-    # the two below are called from the exclusion watch thread
+    # the three below are called from background threads (the digest watch, the exclusion watch)
+    def on_state_check(self, check) -> None:
+        self.state = "agrees" if check.agrees else "apart"
+        if not check.agrees:
+            self.summary.state_disagreements += 1
+        self.observer.on_state_check(check)
+
+    def on_download_rejected(self, donor: str, reason: str) -> None:
+        self.summary.rejected_downloads += 1
+        self.observer.on_download_rejected(donor, reason)
+
     def on_dropped_contribution(self, reason: str) -> None:
         self.summary.dropped_contributions += 1
         self.observer.on_dropped_contribution(reason)
@@ -344,7 +357,7 @@ class Trainer:
                                 samples_per_second=report.samples_per_second,
                                 swarm_samples_per_second=report.swarm_samples_per_second, peers=report.peers,
                                 seconds=report.seconds)
-        self.faults.after_epoch(epoch)
+        self.faults.after_epoch(epoch, self.model.parameters())
         # every K epochs, also when a state download jumps over a multiple of K
         every, previous = self.config.checkpoint.checkpoint_every_epochs, self._epoch_finished
         self._epoch_finished = epoch

@@ -109,6 +109,44 @@ class PeerExcluded(Event):
     """The excluded peer, not this one."""
 
 
+class StateChecked(Event):
+    """This peer compared its state digest with the digests other peers published for `epoch`
+    (averaging/swarm/digests.py); emitted when whether it agrees changes."""
+
+    event: Literal["state_checked"] = "state_checked"
+    epoch: int
+    agrees: bool
+    """It holds the state most comparable peers at `epoch` hold (or no peer could be compared)."""
+    peers: int
+    """The peers whose digests for `epoch` were compared, this one included."""
+    majority: Optional[str] = None
+    """The digest this peer adopts as the swarm's, or None when there was nothing to compare."""
+
+
+class DownloadRejected(Event):
+    """A downloaded state was refused before it was applied (it is never applied)."""
+
+    event: Literal["download_rejected"] = "download_rejected"
+    donor: str
+    reason: str
+    """digest_mismatch (not what the donor published), not_majority (the donor's state is not the swarm's)."""
+
+
+class SwarmSplit(Event):
+    """Peers this one trained with can no longer be reached while others still can: the swarm looks split."""
+
+    event: Literal["swarm_split"] = "swarm_split"
+    reachable: int
+    unreachable: List[str]
+
+
+class SwarmRejoined(Event):
+    """Peers that were unreachable (a SwarmSplit) can be reached again."""
+
+    event: Literal["swarm_rejoined"] = "swarm_rejoined"
+    peers: List[str]
+
+
 class Leaving(Event):
     """The training loop ended; the peer checkpoints, may serve stragglers, and exits."""
 
@@ -124,7 +162,7 @@ class Exited(Event):
 
 AnyEvent = Annotated[
     Union[Ready, Joined, StateDownloaded, EpochEnded, RoundEnded, CheckpointWritten, BottleneckChanged,
-          PeerExcluded, Leaving, Exited],
+          PeerExcluded, StateChecked, DownloadRejected, SwarmSplit, SwarmRejoined, Leaving, Exited],
     Field(discriminator="event"),
 ]
 _ANY_EVENT = TypeAdapter(AnyEvent)

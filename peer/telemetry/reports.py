@@ -52,5 +52,10 @@ class TrainingObserver:
 
     def on_exclusion(self, peer_id: str) -> None: ...
 
+    def on_state_check(self, check) -> None:
+        """This peer compared its state with the swarm's (averaging/swarm/digests.py StateCheck)."""
+
+    def on_download_rejected(self, donor: str, reason: str) -> None: ...
+
     def on_leaving(self, reason: str) -> None:
         """The loop has ended, for `reason`; the peer checkpoints and leaves."""

@@ -47,6 +47,10 @@ class PeerSummary(BaseModel):
     """Other peers' contributions this peer's reducers left out (NaN/Inf, or far out by norm or direction)."""
     excluded_peers: List[str] = Field(default_factory=list)
     """Peers this peer excluded from averaging and state sharing, in order."""
+    state_disagreements: int = 0
+    """Epochs at which this peer found its state apart from the swarm's (averaging/swarm/digests.py)."""
+    rejected_downloads: int = 0
+    """Downloaded states refused before they were applied (not their donor's published state, or not the swarm's)."""
     exit_reason: str = "running"
 
     def write(self, path: Path) -> None:

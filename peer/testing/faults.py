@@ -11,7 +11,9 @@ points, so a test says what goes wrong and when, instead of patching private met
 - `fail_round_at_epoch`: this peer's averaging round at that local epoch fails as it begins (sync and
   diloco): reported as `failed`, and handled as any failed round (local gradients, then a resync);
 - `stall_after_epoch` / `stall_seconds`: after reporting that global epoch, the loop stalls between two
-  steps (a stop request ends the stall): past the averaging timeout, the peer misses the next round.
+  steps (a stop request ends the stall): past the averaging timeout, the peer misses the next round;
+- `perturb_params_at_epoch`: after reporting that global epoch, every parameter moves by noise of
+  `perturb_scale` times its own scale: the peer drifts from the swarm without any round telling it.
 
 Each of those happens once. Two more are not faults but a test's control over the run:
 
@@ -27,7 +29,9 @@ Two more make this peer a hostile one, for all of its run:
 - `gradient_factor`: every gradient it computes is multiplied by this (1e4: far too large; -1:
   sign-flipped, as large as an honest one and pointing the other way), and sent to the swarm;
 - `send_nan_gradients`: every gradient it computes is NaN, and sent past its own guard (which would
-  drop such a batch), as a broken or malicious peer's would be.
+  drop such a batch), as a broken or malicious peer's would be;
+- `serve_corrupted_state`: it trains honestly, but a peer that downloads its state gets every tensor
+  negated, and it claims a priority a step ahead of its epoch so that downloading peers pick it first.
 
 Every injected fault is logged as a warning that says it was injected.
 """
@@ -36,7 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
@@ -54,6 +58,9 @@ class FaultPlan(BaseModel):
     fail_round_at_epoch: Optional[int] = Field(default=None, ge=0)
     stall_after_epoch: Optional[int] = Field(default=None, ge=0)
     stall_seconds: float = Field(default=0.0, ge=0, le=3600)
+    perturb_params_at_epoch: Optional[int] = Field(default=None, ge=0)
+    perturb_scale: float = Field(default=1e-2, gt=0, le=1)
+    serve_corrupted_state: bool = False
     gradient_factor: Optional[float] = None
     send_nan_gradients: bool = False
     end_at_epoch_file: Optional[str] = None
@@ -101,7 +108,7 @@ class FaultInjector:
         self.plan = plan or FaultPlan()
         self.wait = wait  # a stop-aware sleep: a stop request ends a stall
         self._batches = 0
-        self._round_failed = self._stalled = False
+        self._round_failed = self._stalled = self._perturbed = False
         # a hostile peer's factor on every gradient (NaN: sent past its own guard)
         self._hostile_factor = float("nan") if self.plan.send_nan_gradients else self.plan.gradient_factor
         if self._hostile_factor is not None:
@@ -152,9 +159,32 @@ class FaultInjector:
         logger.warning(f"injected fault: failing this peer's averaging round at epoch {epoch}")
         raise InjectedFault(f"injected: the round at epoch {epoch} fails")
 
-    def after_epoch(self, epoch: int) -> None:
+    def serve_state_hook(self) -> Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]]:
+        """What this peer serves instead of its state, when the plan makes it a hostile donor (else None)."""
+        if not self.plan.serve_corrupted_state:
+            return None
+        logger.warning("injected fault: this peer serves its state negated to peers that download it")
+
+        def negated(tensors):
+            return [-tensor if tensor.is_floating_point() else tensor for tensor in tensors]
+        return negated
+
+    def after_epoch(self, epoch: int, parameters: Iterable[torch.Tensor] = ()) -> None:
+        if epoch == self.plan.perturb_params_at_epoch and not self._perturbed:
+            self._perturb(epoch, parameters)
         if epoch != self.plan.stall_after_epoch or self._stalled:
             return
         self._stalled = True
         logger.warning(f"injected fault: stalling {self.plan.stall_seconds:g}s after epoch {epoch}")
         self.wait(self.plan.stall_seconds)
+
+    def _perturb(self, epoch: int, parameters: Iterable[torch.Tensor]) -> None:
+        import torch
+
+        self._perturbed = True
+        logger.warning(f"injected fault: perturbing this peer's parameters after epoch {epoch}")
+        generator = torch.Generator().manual_seed(epoch)
+        with torch.no_grad():
+            for param in parameters:
+                noise = torch.randn(param.shape, generator=generator).to(param.device, param.dtype)
+                param.add_(noise * self.plan.perturb_scale * (param.float().std().item() if param.numel() > 1 else 1.0))

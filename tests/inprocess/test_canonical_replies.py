@@ -15,7 +15,6 @@ from hivemind.proto import runtime_pb2
 
 from averaging import adapter
 from averaging.adapter.runner import CanonicalAllReduceRunner
-
 from averaging.codecs.compression import make_codec
 from averaging.pipeline.defence import Defence
 from averaging.pipeline.robust import RobustPolicy

@@ -1,0 +1,151 @@
+"""State digests (averaging/swarm/digests.py): the swarm's state, who is apart, and which downloads are refused."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+import torch
+
+from averaging.pipeline.defence import Verdict
+from averaging.pipeline.exclusion import BAD_STATE, ExclusionBook, ExclusionRule
+from averaging.pipeline.state_digest import state_digest
+from averaging.swarm import digests
+from averaging.swarm.digests import (
+    DIGEST_MISMATCH,
+    NOT_MAJORITY,
+    SETTLE_SECONDS,
+    UNPUBLISHED,
+    DigestBook,
+    by_peer,
+    majority,
+    reference,
+)
+from dht.records import StateDigests
+from monitoring.metrics import REJECTION_REASONS
+
+A, B, C, D = "12D3KooWA", "12D3KooWB", "12D3KooWC", "12D3KooWD"  # in this order, A is the smallest
+
+
+def test_a_digest_sees_every_bit_and_the_layout_but_not_where_a_tensor_lives():
+    tensor = torch.randn(100)
+    same = tensor.clone()
+    assert state_digest([tensor]) == state_digest([same])
+    nudged = tensor.clone()
+    nudged[17] = torch.nextafter(nudged[17], torch.tensor(float("inf")))  # one ulp
+    assert state_digest([nudged]) != state_digest([tensor])
+    assert state_digest([tensor.view(10, 10)]) != state_digest([tensor])
+    assert state_digest([tensor[:50], tensor[50:]]) != state_digest([tensor[:40], tensor[40:]])
+    assert state_digest([tensor.double()]) != state_digest([tensor])
+
+
+def test_the_swarms_state_is_the_one_most_peers_hold_and_on_a_tie_the_smallest_peer_ids():
+    assert reference({A: "x", B: "y", C: "y"}) == "y"
+    assert reference({A: "x", B: "y"}) == "x"  # two peers that disagree: the smaller id's state wins
+    assert reference({B: "y", A: "x", C: "z", D: "y"}) == "y"
+    assert reference({B: "x", C: "x", A: "y", D: "y"}) == "y"  # a 2 + 2 split: the half holding A
+    assert reference({}) is None
+    assert majority({A: "x", B: "y", C: "y"}) == "y"
+    assert majority({A: "x", B: "y"}) is None
+    assert majority({A: "x", B: "x", C: "y", D: "y"}) is None
+
+
+def test_a_peer_id_claimed_by_two_records_is_ignored():
+    records = [StateDigests(peer_id=A, digests={"3": "a" * 32}), StateDigests(peer_id=A, digests={"3": "b" * 32}),
+               StateDigests(peer_id=B, digests={"3": "c" * 32, "4": "d" * 32})]
+    assert by_peer(records) == {B: {3: "c" * 32, 4: "d" * 32}}
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def book_with(swarm: Dict[str, Dict[int, str]], me: str = A, clock=None):
+    """A DigestBook of peer `me`, reading `swarm` (peer -> epoch -> digest) as the DHT's records."""
+    def read() -> List[StateDigests]:
+        return [StateDigests(peer_id=peer, digests={str(epoch): digest for epoch, digest in own.items()})
+                for peer, own in swarm.items()]
+    checks, refused = [], []
+    book = DigestBook(me, read, on_check=checks.append, on_refused=refused.append, clock=clock or FakeClock())
+    return book, checks, refused
+
+
+X, Y, Z = "1" * 32, "2" * 32, "3" * 32
+
+
+def test_a_peer_compares_once_every_peer_published_or_the_epoch_settled():
+    clock = FakeClock()
+    swarm = {B: {5: Y}}
+    book, checks, _ = book_with(swarm, clock=clock)
+    book.record(5, X)
+    assert book.check(expected_peers=3) is None  # C has not published yet
+    clock.now += SETTLE_SECONDS
+    check = book.check(expected_peers=3)
+    assert check is not None and check.epoch == 5 and check.peers == 2
+    assert check.agrees and check.reference == X  # a tie of two: A, the smaller id, holds the swarm's
+    assert check.others == {B}
+
+
+def test_a_peer_apart_from_the_majority_downloads_and_is_no_longer_apart_once_it_has():
+    swarm = {B: {5: Y, 6: Y}, C: {5: Y}}
+    book, checks, refused = book_with(swarm)
+    book.record(5, X)
+    check = book.check(expected_peers=3)
+    assert not check.agrees and check.reference == Y and book.apart()
+    assert checks[-1] is check
+    book.record(6, Z)  # the next epoch goes on from the same wrong state: still apart
+    assert book.apart()
+    book.record(6, Y, downloaded=True)
+    assert not book.apart()
+    assert book.record_value()["digests"] == {"6": Y}  # what it held before the download is not compared again
+    swarm[C][6] = Y
+    assert book.check(expected_peers=3).agrees and not book.apart()
+
+
+def test_donors_whose_state_is_not_the_swarms_are_refused():
+    swarm = {B: {5: Y}, C: {5: X}, D: {5: X}}
+    book, _, refused = book_with(swarm)
+    book.record(5, X)
+    assert book.check(expected_peers=4).agrees
+    assert refused[-1] == {B}
+    assert book.refused_donors() == {B}
+
+
+def judge(swarm, donor, epoch, digest):
+    book, _, refused = book_with(swarm, me=D)
+    return book.judge_download(donor, epoch, digest, sleep=lambda seconds: None), book
+
+
+def test_a_download_is_accepted_only_if_it_is_what_its_donor_published_and_the_swarms():
+    swarm = {A: {7: X}, B: {7: X}, C: {7: Y}}
+    assert judge(swarm, A, 7, X)[0] is None
+    reason, book = judge(swarm, A, 7, Y)  # not what A published: A lied about one or the other
+    assert reason == DIGEST_MISMATCH and A in book.refused_donors()
+    assert judge(swarm, C, 7, Y)[0] == NOT_MAJORITY  # what C published, but not the swarm's
+    assert judge(swarm, C, 8, Y)[0] == UNPUBLISHED  # nothing published for that epoch: cannot be checked
+    assert judge(swarm, None, 7, X)[0] == UNPUBLISHED  # a state that names no donor
+    assert judge({A: {7: X}, C: {7: Y}}, C, 7, Y)[0] is None  # no majority among two: the donor's word stands
+
+
+def test_every_rejection_reason_is_a_label_of_the_metric():
+    assert set(digests.REJECTION_REASONS) == set(REJECTION_REASONS)
+
+
+def test_a_donor_that_served_another_state_than_it_published_is_excluded_at_once():
+    book = ExclusionBook(ExclusionRule(threshold=3, window=10))
+    assert book.record([Verdict(B, "download-7", BAD_STATE, "it served another state")]) == [
+        (B, "it served another state")]
+    assert book.excluded == [B]
+    assert book.record([Verdict(C, "r1", "norm"), Verdict(C, "r2", "norm")]) == []  # others keep their threshold
+
+
+@pytest.mark.parametrize("epochs", [3, 40])
+def test_a_record_keeps_the_newest_epochs_only(epochs):
+    book, _, _ = book_with({})
+    for epoch in range(epochs):
+        book.record(epoch, X)
+    kept = book.record_value()["digests"]
+    assert len(kept) == min(epochs, 16) and str(epochs - 1) in kept
