@@ -264,6 +264,12 @@ class AveragingConfig(BaseModel):
                 raise ValueError(f"{name!r} is not an optimizer state name; use names such as exp_avg,exp_avg_sq")
         return value
 
+    @property
+    def checks_state(self) -> bool:
+        """Whether peers check by digest that they hold one state (averaging/swarm/digests.py): with a strategy whose
+        peers end each epoch with one state, and no delayed updates (which land in the background)."""
+        return STRATEGIES[self.strategy].one_state and not self.delay_updates
+
     @model_validator(mode="after")
     def _no_conflicts(self) -> "AveragingConfig":
         for name, low, high in (
@@ -283,6 +289,12 @@ class AveragingConfig(BaseModel):
             raise ValueError(
                 "--delay-updates needs --offload-optimizer (the delayed step runs on the offloaded host copy); "
                 "add --offload-optimizer or drop --delay-updates"
+            )
+        if self.checks_state and self.load_state_compression != "none":
+            raise ValueError(
+                f"--load-state-compression {self.load_state_compression} loses precision, but with --averaging "
+                f"{self.strategy} a downloaded state must equal its donor's bit for bit (peers check it against the "
+                f"donor's digest); use --load-state-compression none"
             )
         if self.error_feedback == "on" and self.grad_compression not in FEEDBACK_CODECS:
             raise ValueError(

@@ -92,22 +92,27 @@ class ExclusionWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            verdicts = self.defence.take_verdicts(timeout=self.POLL_SECONDS)
-            for verdict in verdicts:
-                if verdict.offence:
-                    self.on_drop(verdict.offence)
-            changed = False
-            for peer, why in self.book.record(verdicts):
-                until = "for the rest of the run" if self.book.rule.seconds is None else \
-                    f"for {self.book.rule.seconds:g} s"
-                logger.warning(f"excluding peer {peer} {until}, from averaging and state sharing: {why}")
-                self.on_exclude(peer)
-                changed = True
-            for peer in self.book.expire():
-                logger.info(f"peer {peer} is no longer excluded (its {self.book.rule.seconds:g} s are over)")
-                changed = True
-            if changed:
-                self.defence.set_excluded(self.book.excluded)
+            try:
+                self._take(self.defence.take_verdicts(timeout=self.POLL_SECONDS))
+            except Exception:  # a listener's bug must not end exclusion for the rest of the run
+                logger.exception("the exclusion watch failed to take verdicts; it goes on")
+
+    def _take(self, verdicts: List[Verdict]) -> None:
+        for verdict in verdicts:
+            if verdict.offence and verdict.offence not in IMMEDIATE_OFFENCES:  # those are not contributions
+                self.on_drop(verdict.offence)
+        changed = False
+        for peer, why in self.book.record(verdicts):
+            until = "for the rest of the run" if self.book.rule.seconds is None else \
+                f"for {self.book.rule.seconds:g} s"
+            logger.warning(f"excluding peer {peer} {until}, from averaging and state sharing: {why}")
+            self.on_exclude(peer)
+            changed = True
+        for peer in self.book.expire():
+            logger.info(f"peer {peer} is no longer excluded (its {self.book.rule.seconds:g} s are over)")
+            changed = True
+        if changed:
+            self.defence.set_excluded(self.book.excluded)
 
     def close(self, timeout_seconds: float = 2.0) -> None:
         self._stop.set()

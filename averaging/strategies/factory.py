@@ -50,7 +50,7 @@ def build_swarm_optimizer(
     rounds = RoundKeeper(replica.hooks, _deadlines(config), exclusion=exclusion)
     strategy = STRATEGIES[config.strategy]
     agreement = None
-    if strategy.one_state and not config.delay_updates:
+    if config.checks_state:
         agreement = StateAgreement(replica.dht, replica.keys.digests, replica.hooks, defence,
                                    ttl_seconds=progress_record_ttl_seconds(config))
     parts = _parts(config, tracker_opts, rounds, agreement)

@@ -133,10 +133,11 @@ class Swarm:
         """Wait until every training peer (or those given) has exited; their exit codes."""
         return list(await asyncio.gather(*(peer.exit_code(timeout) for peer in (peers or self.training_peers))))
 
-    def ends_on_request(self) -> List[str]:
-        """Arguments for a peer whose run end_soon() can end (through the test-only --inject-faults): a test sized
-        for the worst load (--max-epochs) ends once its checks are done."""
-        return ["--inject-faults", FaultPlan(end_at_epoch_file=str(self._end_file)).model_dump_json()]
+    def ends_on_request(self, plan: Optional[FaultPlan] = None) -> List[str]:
+        """Arguments for a peer whose run end_soon() can end (through the test-only --inject-faults, with the
+        faults of `plan` if given): a test sized for the worst load (--max-epochs) ends once its checks are done."""
+        plan = (plan or FaultPlan()).model_copy(update={"end_at_epoch_file": str(self._end_file)})
+        return ["--inject-faults", plan.model_dump_json()]
 
     def end_soon(self, peers: Sequence[Peer], margin_epochs: int = 2) -> int:
         """End the run of `peers` (started with ends_on_request()) `margin_epochs` after the furthest of them:

@@ -119,6 +119,15 @@ def test_offload_smoke(tmp_path: Path):
         assert set(results["configs"]) == {"baseline", "offload", "offload_delay"}
 
 
+@pytest.mark.timeout(60)
+def test_one_state_smoke(tmp_path: Path):
+    results, _ = run_benchmark("one_state", tmp_path)
+    assert {"task", "parameters", "digested_bytes", "batch_size", "target_batch_size", "rounds"} <= results.keys()
+    assert STATS <= results["digest_seconds"].keys() and STATS <= results["step_seconds"].keys()
+    assert set(results["epoch_fraction"]) == {"1", "4", "16"} and results["digested_bytes"] > 0
+    assert results["goal"]["epoch_fraction_max"] == 0.01
+
+
 @pytest.mark.timeout(120)
 def test_scaling_smoke(tmp_path: Path):
     results, _ = run_benchmark("scaling", tmp_path)

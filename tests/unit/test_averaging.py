@@ -102,6 +102,8 @@ def test_unknown_codec_names_the_choices():
         ({"matchmaking_seconds_min": "10", "matchmaking_seconds_max": "2"},
          "--matchmaking-seconds-min (10.0) is larger than --matchmaking-seconds-max (2.0)"),
         ({"outer_momentum": "1"}, "--outer-momentum"),
+        ({"load_state_compression": "fp16"}, "--load-state-compression fp16 loses precision, but with --averaging "
+                                             "sync a downloaded state must equal its donor's bit for bit"),
     ],
 )
 def test_bad_averaging_config_is_one_line_naming_the_flag(flags, expected):
