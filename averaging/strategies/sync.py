@@ -273,6 +273,9 @@ def build_sync(config: AveragingConfig, replica: Replica, parts: StrategyParts, 
         offload_optimizer=config.offload_optimizer,
         delay_optimizer_step=config.delay_updates,
         delay_grad_averaging=config.delay_updates,
+        # upstream lands a parameter round a few steps into the next epoch, changing the state a peer has already
+        # digested and is serving; checked peers finish it within the epoch's step (averaging/swarm/digests.py)
+        delay_state_averaging=not config.checks_state,
         client_mode=replica.client_mode,
         tracker_opts=dict(parts.tracker_opts, private_key=signing_key),
         averager_opts=parts.averager_opts,

@@ -39,6 +39,9 @@ SETTLE_SECONDS = 3.0
 """How long after publishing its own digest for an epoch a peer waits for the others' before it compares."""
 REFUSED_DONOR_SECONDS = 60.0
 """How long a donor whose state was not the swarm's is refused (an honest peer that drifted resyncs meanwhile)."""
+UNPUBLISHED_DONOR_SECONDS = 5.0
+"""How long a donor whose state could not be checked (no digest published for it yet) is skipped: the next
+attempt tries another donor, and this one again once its digest is out."""
 PUBLISHED_WAIT_SECONDS = 5.0
 """How long a download waits for its donor's digest of that epoch to appear (the donor publishes it as it
 enters the epoch; the DHT takes a moment)."""
@@ -204,7 +207,8 @@ class DigestBook:
             swarm_digest = majority(others) if len(others) > 2 else None
             reason = NOT_MAJORITY if swarm_digest is not None and swarm_digest != digest else None
         if reason is not None and donor is not None:
-            self._refused_until[donor] = self.clock() + REFUSED_DONOR_SECONDS
+            seconds = UNPUBLISHED_DONOR_SECONDS if reason == UNPUBLISHED else REFUSED_DONOR_SECONDS
+            self._refused_until[donor] = self.clock() + seconds
             self.on_refused(self.refused_donors())
         return reason
 
