@@ -125,10 +125,6 @@ class DigestBook:
                 for old in [old for old in self._own if old < epoch]:
                     del self._own[old], self._recorded_at[old]
 
-    @property
-    def last_check(self) -> Optional[StateCheck]:
-        return self._last
-
     def apart(self) -> bool:
         """Whether this peer's state was found apart from the swarm's since it last downloaded (it should
         download). Epochs go on meanwhile: a state apart at one epoch stays apart at the next."""
@@ -168,7 +164,7 @@ class DigestBook:
         check = StateCheck(epoch, own == swarm_digest, len(at_epoch), own, swarm_digest, others)
         last, self._last = self._last, check
         with self._lock:
-            if not check.agrees:
+            if not check.agrees and self._own.get(epoch) == own:  # not replaced by a download meanwhile
                 self._apart_at = epoch if self._apart_at is None else self._apart_at
             elif self._apart_at is not None and epoch >= self._apart_at:
                 self._apart_at = None
