@@ -217,6 +217,7 @@ class PeerBuilder:
             fractions={k: float(v) for k, v in classifier.fractions().items()},
             bottleneck=classifier.dominant,
             val_loss=_finite_or_none(trainer.summary.val_loss_last),
+            state=trainer.rounds.state,
         ))
         publisher.start()
         self.stack.callback(publisher.stop)

@@ -15,12 +15,14 @@ from monitoring.classifier import BottleneckChange
 from peer.telemetry.events import (
     BottleneckChanged,
     CheckpointWritten,
+    DownloadRejected,
     EpochEnded,
     EventLog,
     Joined,
     Leaving,
     PeerExcluded,
     RoundEnded,
+    StateChecked,
     StateDownloaded,
 )
 from peer.telemetry.reports import EpochReport, TrainingObserver
@@ -82,6 +84,12 @@ class MetricsObserver(TrainingObserver):
     def on_exclusion(self, peer_id: str) -> None:
         self.metrics.record_exclusion()
 
+    def on_state_check(self, check) -> None:
+        self.metrics.record_state_check(check.agrees)
+
+    def on_download_rejected(self, donor: str, reason: str) -> None:
+        self.metrics.record_rejected_download(reason)
+
 
 class EventsObserver(TrainingObserver):
     """Writes the loop's reports to the events file (peer/telemetry/events.py); steps are too many to be events."""
@@ -111,6 +119,13 @@ class EventsObserver(TrainingObserver):
 
     def on_exclusion(self, peer_id: str) -> None:
         self.events.emit(PeerExcluded(peer_id=peer_id))
+
+    def on_state_check(self, check) -> None:
+        self.events.emit(StateChecked(epoch=check.epoch, agrees=check.agrees, peers=check.peers,
+                                      majority=check.reference))
+
+    def on_download_rejected(self, donor: str, reason: str) -> None:
+        self.events.emit(DownloadRejected(donor=donor, reason=reason))
 
     def on_leaving(self, reason: str) -> None:
         self.events.emit(Leaving(reason=reason))
@@ -160,6 +175,14 @@ class Observers(TrainingObserver):
     def on_exclusion(self, peer_id: str) -> None:
         for observer in self.observers:
             observer.on_exclusion(peer_id)
+
+    def on_state_check(self, check) -> None:
+        for observer in self.observers:
+            observer.on_state_check(check)
+
+    def on_download_rejected(self, donor: str, reason: str) -> None:
+        for observer in self.observers:
+            observer.on_download_rejected(donor, reason)
 
     def on_leaving(self, reason: str) -> None:
         for observer in self.observers:
