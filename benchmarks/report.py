@@ -15,7 +15,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common
 
-ORDER = ("local_overhead", "allreduce_link", "compression", "uplink", "offload", "scaling")
+ORDER = ("local_overhead", "allreduce_link", "compression", "uplink", "offload", "scaling", "one_state")
 
 
 def _f(value, digits: int = 3, suffix: str = "") -> str:
@@ -165,6 +165,16 @@ def scaling(doc: dict) -> str:
             f"runs): alone {_f(rates['alone'], 1)}, delay_updates {_f(rates['delay_updates'], 1)}, blocking "
             f"{_f(rates['blocking'], 1)} samples/s; hiding ratio {_f(hiding['hiding_ratio'])}, blocking ratio "
             f"{_f(hiding['blocking_ratio'])}.\n\n" + "\n".join(hide))
+
+
+def one_state(doc: dict) -> str:
+    r = doc["results"]
+    shares = ", ".join(f"{float(share):.3%} with {peers} peers" for peers, share in r["epoch_fraction"].items())
+    return (f"`{r['task']}` ({r['parameters']:,} parameters; {r['digested_bytes'] / 2**20:.1f} MiB digested: "
+            f"parameters and AdamW state), batch {r['batch_size']}, target batch {r['target_batch_size']}: a digest takes "
+            f"{_f(r['digest_seconds']['median'] * 1e3, 1)} ms, a step {_f(r['step_seconds']['median'] * 1e3, 0)} ms. "
+            f"Share of an epoch: {shares} (goal under {r['goal']['epoch_fraction_max']:.0%}: "
+            f"{'met' if r['goal']['meets'] else 'not met'}).")
 
 
 def main() -> int:
