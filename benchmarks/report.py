@@ -171,7 +171,8 @@ def one_state(doc: dict) -> str:
     r = doc["results"]
     shares = ", ".join(f"{float(share):.3%} with {peers} peers" for peers, share in r["epoch_fraction"].items())
     return (f"`{r['task']}` ({r['parameters']:,} parameters; {r['digested_bytes'] / 2**20:.1f} MiB digested: "
-            f"parameters and AdamW state), batch {r['batch_size']}, target batch {r['target_batch_size']}: a digest takes "
+            f"parameters and AdamW state), batch {r['batch_size']}, target batch {r['target_batch_size']}: "
+            f"a digest takes "
             f"{_f(r['digest_seconds']['median'] * 1e3, 1)} ms, a step {_f(r['step_seconds']['median'] * 1e3, 0)} ms. "
             f"Share of an epoch: {shares} (goal under {r['goal']['epoch_fraction_max']:.0%}: "
             f"{'met' if r['goal']['meets'] else 'not met'}).")
