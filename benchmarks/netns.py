@@ -5,6 +5,10 @@ lives in its own hub namespace, addresses 10.89.0.1..n/24, and loopback up. `set
 shapes every peer's egress with a token bucket (`tbf`); `set_rate(None)` removes the shaping.
 Names carry this process's id, so benchmarks running at the same time never collide, and
 `down()` (also on leaving the `with` block, on every path) deletes everything it created.
+`cut([0, 1], [2, 3])` partitions the peers: each group after the first moves to a bridge of its own
+(peers in no group stay with the first), so that peers of a group still reach each other and nobody
+else; `restore()` puts every peer back on the one bridge. Their links stay up the whole time, as
+when a router between two sites fails: packets across the cut are lost, not refused.
 Processes started inside a namespace must be stopped before `down()`: deleting a namespace
 only removes its name while processes still run in it.
 
@@ -17,7 +21,7 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 SUBNET = "10.89.0"
 TBF_LATENCY = "100ms"
@@ -79,6 +83,8 @@ class Bridge:
         self._hub_if = [f"{tag}h{i}" for i in range(peers)]
         self._created: List[str] = []
         self.rate: Optional[str] = None
+        self.groups: Optional[List[List[int]]] = None
+        """The groups of the cut in force (cut()), or None while every peer is on one bridge."""
 
     def ip(self, index: int) -> str:
         return f"{SUBNET}.{index + 1}"
@@ -119,6 +125,32 @@ class Bridge:
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", self._peer_if[i], "root", "tbf",
                  "rate", rate, "burst", str(burst), "latency", TBF_LATENCY)
         self.rate = rate
+
+    def cut(self, *groups: Sequence[int]) -> None:
+        """Partition the peers into `groups` (peer indices): each group reaches only its own members.
+
+        Group k > 0 moves to bridge br<k> in the hub namespace; the first group and any peer in no group stay
+        on br0. A cut replaces the one in force."""
+        seen = [index for group in groups for index in group]
+        if len(seen) != len(set(seen)) or not all(0 <= index < self.peers for index in seen):
+            raise ValueError(f"groups must name distinct peers among 0..{self.peers - 1} (got {groups})")
+        self.restore()
+        self.groups = [list(group) for group in groups]  # first: restore() undoes a cut that fails half-way
+        for k, group in enumerate(groups[1:], start=1):
+            _run("ip", "-n", self.hub, "link", "add", f"br{k}", "type", "bridge")
+            _run("ip", "-n", self.hub, "link", "set", f"br{k}", "up")
+            for index in group:
+                _run("ip", "-n", self.hub, "link", "set", self._hub_if[index], "master", f"br{k}")
+
+    def restore(self) -> None:
+        """Undo cut(): every peer on bridge br0 again (a no-op without a cut)."""
+        if self.groups is None:
+            return
+        for k, group in enumerate(self.groups[1:], start=1):
+            for index in group:
+                _run("ip", "-n", self.hub, "link", "set", self._hub_if[index], "master", "br0")
+            _run("ip", "-n", self.hub, "link", "del", f"br{k}", check=False)
+        self.groups = None
 
     def traffic(self, index: int) -> Dict[str, int]:
         """Bytes peer `index` has sent (`tx`) and received (`rx`) on its link so far: everything on the wire,

@@ -30,6 +30,7 @@ from dht.identity import IdentityInUse
 from dht.keys import SwarmKeys
 from dht.manifest import MANIFEST_TTL_SECONDS, REFRESH_PERIOD_SECONDS, agreed_manifest, read_manifests
 from dht.node import DHTStartCancelled, quiet_dht_logs, shutdown_dht, start_dht
+from dht.reconnect import Departures, Reconnector
 from dht.records import PeerInfo, PeerInfoPublisher, RecordPublisher, record_validators
 from monitoring import (
     BottleneckClassifier,
@@ -126,6 +127,13 @@ class PeerBuilder:
         except IdentityInUse as e:
             raise BadInput(str(e)) from e
         self.stack.callback(self._leave_dht, dht)
+        # so that the halves of a partitioned swarm find each other again; stopped before the DHT is
+        events = EventsObserver(self.events)
+        reconnector = Reconnector(dht, self.config.dht.initial_peers, on_split=events.on_swarm_split,
+                                  on_rejoined=events.on_swarm_rejoined,
+                                  departed=Departures(dht, self.config.training.run_id))
+        reconnector.start()
+        self.stack.callback(reconnector.stop)
         return dht
 
     def display(self) -> ProgressDisplay:

@@ -6,7 +6,7 @@ The Trainer reports to one TrainingObserver (peer/runtime/trainer.py); the build
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 from averaging.api import RoundReport
 from averaging.codecs.compression import bytes_moved
@@ -24,6 +24,8 @@ from peer.telemetry.events import (
     RoundEnded,
     StateChecked,
     StateDownloaded,
+    SwarmRejoined,
+    SwarmSplit,
 )
 from peer.telemetry.reports import EpochReport, TrainingObserver
 
@@ -132,6 +134,13 @@ class EventsObserver(TrainingObserver):
 
     def on_bottleneck(self, change: BottleneckChange, fractions: Dict[str, float]) -> None:
         self.events.emit(BottleneckChanged(category=change.new, previous=change.old, fractions=fractions))
+
+    def on_swarm_split(self, reachable: int, unreachable: List[str]) -> None:
+        """From dht/reconnect.py: peers this one reached before stopped answering."""
+        self.events.emit(SwarmSplit(reachable=reachable, unreachable=unreachable))
+
+    def on_swarm_rejoined(self, peers: List[str]) -> None:
+        self.events.emit(SwarmRejoined(peers=peers))
 
 
 class Observers(TrainingObserver):
