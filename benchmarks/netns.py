@@ -61,6 +61,18 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
+def finished_without_namespaces(run, name: str, results: dict) -> bool:
+    """When namespaces cannot be used here: note why, write `results` with `skipped` set, and say True."""
+    reason = unavailable_reason()
+    if not reason:
+        return False
+    reason = reason.split(";")[0]
+    results["skipped"] = reason
+    run.note(f"skipped: {reason}")
+    run.finish(results, f"{name}: skipped ({reason})")
+    return True
+
+
 def remove_stale() -> list:
     """Delete namespaces that an earlier, killed run of these benchmarks left behind (their process is gone)."""
     listed = _run("ip", "netns", "list", check=False).stdout.split()

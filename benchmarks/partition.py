@@ -165,12 +165,7 @@ def main(argv=None) -> int:
                                                                                          full=30.0)
     results: Dict = {"task": TASK_ARGS[1], "peers": PEERS, "halves": [list(half) for half in HALVES],
                      "cut_seconds": cut_seconds, "runs": [], "skipped": None}
-    reason = netns.unavailable_reason()
-    if reason:
-        reason = reason.split(";")[0]
-        results["skipped"] = reason
-        run.note(f"skipped: {reason}")
-        run.finish(results, f"{NAME}: skipped ({reason})")
+    if netns.finished_without_namespaces(run, NAME, results):
         return 0
     netns.remove_stale()
     rows: List[dict] = []

@@ -256,12 +256,7 @@ def main(argv=None) -> int:
     results = {"task": settings["task"], "samples": samples, "target_batch_size": settings["target_batch_size"],
                "diloco_target_batch_size": settings["diloco_target_batch_size"], "rates": rates.split(","),
                "setups": setups, "runs": [], "skipped": None}
-    reason = netns.unavailable_reason()
-    if reason:
-        reason = reason.split(";")[0]
-        results["skipped"] = reason
-        run.note(f"skipped: {reason}")
-        run.finish(results, f"{NAME}: skipped ({reason})")
+    if netns.finished_without_namespaces(run, NAME, results):
         return 0
 
     runs: List[dict] = []
