@@ -152,8 +152,12 @@ class SessionOptimizer(SwarmProgress, Protocol):
 
     @property
     def apart(self) -> bool:
-        """Whether a round that went wrong (APART) may have left this peer's state different from the swarm's,
-        and it has not downloaded since."""
+        """Whether a round that went wrong (APART) may have left this peer's state different from the swarm's, or
+        its state digest was found apart from the swarm's, and it has not downloaded since."""
+
+    def await_state_comparison(self, timeout_seconds: float) -> None:
+        """Where peers check state digests: wait (at most `timeout_seconds`) until this peer's state at its epoch
+        has been compared with the swarm's, so that `apart` tells (a peer leaving at its last epoch)."""
 
     @property
     def downloaded_at_epoch(self) -> Optional[int]:

@@ -9,6 +9,7 @@ than it published is reported to the exclusion book as an offence that excludes 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, List, Optional
 
 import torch
@@ -47,6 +48,16 @@ class StateAgreement:
 
     def apart(self) -> bool:
         return self.book.apart()
+
+    def await_comparison(self, epoch: int, timeout_seconds: float, poll_seconds: float = 0.2) -> bool:
+        """Wait until this peer's state at `epoch` has been compared with the swarm's (at most `timeout_seconds`;
+        alone, not at all); whether it was."""
+        if self.watch.expected_peers() <= 1:
+            return False
+        deadline = time.monotonic() + timeout_seconds
+        while not self.book.compared_since(epoch) and time.monotonic() < deadline:
+            time.sleep(poll_seconds)
+        return self.book.compared_since(epoch)
 
     def check_download(self, metadata: dict, tensors: List[torch.Tensor]) -> None:
         """:raises DownloadRejected: the state must not be applied (see averaging/swarm/digests.py)"""

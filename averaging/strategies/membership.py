@@ -59,7 +59,11 @@ class SharesState(ReportsProgress):
 
     @property
     def apart(self) -> bool:
-        return self.rounds.apart
+        return self.rounds.apart or (self.agreement is not None and self.agreement.apart())
+
+    def await_state_comparison(self, timeout_seconds: float) -> None:
+        if self.agreement is not None:
+            self.agreement.await_comparison(self.local_epoch, timeout_seconds)
 
     @property
     def downloaded_at_epoch(self) -> Optional[int]:

@@ -88,6 +88,9 @@ class SoloOptimizer(ReportsProgress):
     def apart(self) -> bool:
         return False
 
+    def await_state_comparison(self, timeout_seconds: float) -> None:
+        """No state to compare."""
+
     @property
     def downloaded_at_epoch(self) -> Optional[int]:
         return None

@@ -130,6 +130,11 @@ class DigestBook:
         download). Epochs go on meanwhile: a state apart at one epoch stays apart at the next."""
         return self._apart_at is not None
 
+    def compared_since(self, epoch: int) -> bool:
+        """Whether this peer's state at `epoch` or later has been compared with the swarm's."""
+        last = self._last
+        return last is not None and last.epoch >= epoch
+
     def record_value(self) -> dict:
         with self._lock:
             return StateDigests(peer_id=self.peer_id,

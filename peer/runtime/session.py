@@ -29,6 +29,7 @@ from typing import Callable, Dict, Optional
 from hivemind.utils import get_dht_time
 
 from averaging.api import APART, SessionOptimizer
+from averaging.swarm.digests import CHECK_SECONDS, SETTLE_SECONDS
 from averaging.swarm.open_rounds import RoundAbandoner
 from dht.keys import SwarmKeys
 from dht.records import own_subkey, read_by_owner, store_own
@@ -51,6 +52,9 @@ from peer.runtime.leaving import (
 logger = logging.getLogger(__name__)
 
 START_SETTLE_SECONDS = 2.0
+STATE_COMPARISON_SECONDS = SETTLE_SECONDS + 2 * CHECK_SECONDS
+"""How long past a matchmaking window a peer leaving at its last epoch waits for that epoch's digests to be compared:
+the others publish theirs as they enter it, and a comparison waits at most SETTLE_SECONDS for them."""
 """Peers that wait for each other start this long after the first of them saw the quorum: enough for
 the others, polling every 0.25 s, to see it too."""
 
@@ -126,6 +130,8 @@ class SwarmSession:
         matchmaking, timeout = deadlines.matchmaking_seconds, deadlines.averaging_timeout_seconds
         now = time.monotonic()
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
+        # two groups of a split last round can each end it whole and still hold two states: the digests tell
+        self.optimizer.await_state_comparison(matchmaking + STATE_COMPARISON_SECONDS)
         progress = read_by_owner(self.dht, self.keys.progress)  # fresh: the tracker's view may lag
         # a state downloaded at the last epoch may predate its donor's last parameter round (hivemind averages
         # parameters in the background and applies the result a step later): take the state a peer offers once its

@@ -51,3 +51,26 @@ async def test_a_drifted_peer_resyncs_by_digest_and_refuses_and_excludes_a_donor
     assert "refused the state downloaded from" in drifter.log()
     # the victim kept no part of the corrupted state: it holds the honest swarm's, bit for bit
     assert max_parameter_difference(honest.model_state(), drifter.model_state()) == 0.0
+
+
+LAST_EPOCH = 6
+
+
+@pytest.mark.timeout(300)
+async def test_peers_found_apart_at_their_last_epoch_leave_with_one_state(tmp_path: Path):
+    """A peer that drifts on its way to the last epoch: every round there was whole, so only the digests can tell,
+    and the peers compare them before they leave (two peers that disagree: the smaller id's state wins)."""
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "48", fast=True) as swarm:
+        run = ("--min-peers", "2", "--max-epochs", str(LAST_EPOCH), "--average-state-every", "1000")
+        first = await swarm.add(*run, name="first")
+        drifter = await swarm.add(*run, *swarm.ends_on_request(FaultPlan(perturb_params_at_epoch=LAST_EPOCH - 1)),
+                                  name="drifter")
+        assert await swarm.all_exited(timeout=240) == [0, 0]
+
+    apart = [event for peer in (first, drifter) for event in peer.events
+             if isinstance(event, StateChecked) and not event.agrees and event.epoch == LAST_EPOCH]
+    assert apart, "nobody found the drift at the last epoch"
+    downloads = [event for peer in (first, drifter) for event in peer.events
+                 if isinstance(event, StateDownloaded) and event.epoch == LAST_EPOCH]
+    assert downloads, "the peer apart left with its own state"
+    assert max_parameter_difference(first.model_state(), drifter.model_state()) == 0.0

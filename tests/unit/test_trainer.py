@@ -126,6 +126,9 @@ class FakeOptimizer:
     def load_state_from_donor_ahead(self) -> bool:
         return False
 
+    def await_state_comparison(self, timeout_seconds: float) -> None:
+        self.calls.append("await_state_comparison")
+
     def offer_final_state(self) -> bool:
         self.calls.append("offer_final_state")
         return True
