@@ -36,6 +36,9 @@ class RoundReport:
     seconds: float
     group_size: int
     reason: str = ""
+    left_out: float = 0.0
+    """The share of this peer's contribution that its group's reducers left out because it arrived after their
+    grace window (averaging/pipeline/stragglers.py); this peer still received the group's average."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ class AveragingHooks:
     and at each epoch it is found apart. Called from a background thread."""
     download_rejected: Callable[[str, str], None] = lambda donor, reason: None
     """A downloaded state from `donor` (base58) was refused, for `reason` (averaging/swarm/digests.py)."""
+    reducing_changed: Callable[[bool], None] = lambda reduces: None
+    """This peer stopped (False) or resumed (True) reducing parts of the average for its groups: its contributions
+    came too late for them, or are in time again (averaging/pipeline/stragglers.py)."""
     before_round: Callable[[int], None] = lambda epoch: None
     """Called as this peer's averaging round at local `epoch` begins (sync, diloco); an exception it raises fails
     the round like any other failure. For fault injection in tests (peer/testing/faults.py)."""

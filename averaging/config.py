@@ -210,6 +210,18 @@ class AveragingConfig(BaseModel):
         gt=0,
         description="How long an excluded peer stays excluded; unset: for the rest of the run.",
     )
+    straggler_grace_ratio: float = Field(
+        default=1.0,
+        ge=0,
+        description="Stragglers: once more than half of a group has delivered a part of the average, its reducer "
+        "waits for the rest at most this many times as long as they took (at least --straggler-grace-min-seconds); "
+        "later contributions are left out of the round and their senders still get its result, and a peer left out "
+        "stops reducing for others until it is in time again. Groups of two never leave anyone out. 0: wait for "
+        "every member up to the averaging timeout.",
+    )
+    straggler_grace_min_seconds: float = Field(
+        default=0.25, gt=0, description="The shortest grace window a reducer gives a group's last contributions."
+    )
     delay_updates: bool = Field(
         default=False,
         description="Delayed parameter updates: average and run the (offloaded) optimizer step in the background "

@@ -2,7 +2,8 @@
 
 `Bridge(n)` creates namespaces <tag>p0..<tag>p{n-1}, each with one veth into a bridge that
 lives in its own hub namespace, addresses 10.89.0.1..n/24, and loopback up. `set_rate("100mbit")`
-shapes every peer's egress with a token bucket (`tbf`); `set_rate(None)` removes the shaping.
+shapes every peer's egress with a token bucket (`tbf`); `set_rate(None)` removes the shaping; `limit_link(i,
+"2mbit")` shapes one peer's link both ways.
 Names carry this process's id, so benchmarks running at the same time never collide, and
 `down()` (also on leaving the `with` block, on every path) deletes everything it created.
 `cut([0, 1], [2, 3])` partitions the peers: each group after the first moves to a bridge of its own
@@ -85,6 +86,17 @@ def remove_stale() -> list:
     return removed
 
 
+def _shape(namespace: str, device: str, rate: Optional[str]) -> None:
+    """A token bucket on `device`'s egress in `namespace` (None: remove it)."""
+    if rate is None:
+        _run("ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root", check=False)
+        return
+    # the bucket must hold at least one timer tick's worth of bytes, or tbf cannot reach the rate
+    burst = max(MIN_BURST_BYTES, int(rate_bits_per_second(rate) / 8 / 250))
+    _run("ip", "netns", "exec", namespace, "tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate", rate,
+         "burst", str(burst), "latency", TBF_LATENCY)
+
+
 class Bridge:
     def __init__(self, peers: int, tag: Optional[str] = None):
         tag = tag or f"stb{os.getpid() % 100000}"
@@ -129,14 +141,14 @@ class Bridge:
     def set_rate(self, rate: Optional[str]) -> None:
         """Shape every peer's egress to `rate` (tc syntax, e.g. 100mbit), or remove shaping (None)."""
         for i, ns in enumerate(self.namespaces):
-            if rate is None:
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", self._peer_if[i], "root", check=False)
-                continue
-            # the bucket must hold at least one timer tick's worth of bytes, or tbf cannot reach the rate
-            burst = max(MIN_BURST_BYTES, int(rate_bits_per_second(rate) / 8 / 250))
-            _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", self._peer_if[i], "root", "tbf",
-                 "rate", rate, "burst", str(burst), "latency", TBF_LATENCY)
+            _shape(ns, self._peer_if[i], rate)
         self.rate = rate
+
+    def limit_link(self, index: int, rate: Optional[str]) -> None:
+        """Shape peer `index`'s link both ways to `rate`: its upload at its end, its download at the hub's end (None
+        removes both)."""
+        _shape(self.namespaces[index], self._peer_if[index], rate)
+        _shape(self.hub, self._hub_if[index], rate)
 
     def cut(self, *groups: Sequence[int]) -> None:
         """Partition the peers into `groups` (peer indices): each group reaches only its own members.

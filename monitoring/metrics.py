@@ -57,6 +57,8 @@ PEER_METRICS: Dict[str, str] = {
     "peer_state_agrees": "gauge",
     "peer_state_disagreements_total": "counter",
     "peer_rejected_state_downloads_total": "counter",
+    "peer_late_contributions_total": "counter",
+    "peer_averaging_reducing": "gauge",
     "peer_info": "gauge",
     "peer_gpu_memory_allocated_bytes": "gauge",
     "peer_gpu_memory_peak_bytes": "gauge",
@@ -174,6 +176,16 @@ class PeerMetrics:
             "peer_rejected_state_downloads",
             "Downloaded states refused before they were applied, by reason.", ["reason"], registry=r,
         )
+        self.late_contributions = Counter(
+            "peer_late_contributions",
+            "Rounds in which this peer's contribution reached its group after the reducers' grace window and was "
+            "left out (it still received the round's result): a slow uplink or a busy machine.", registry=r,
+        )
+        self.reducing = Gauge(
+            "peer_averaging_reducing",
+            "1 while this peer reduces parts of the average for its groups, 0 while it stands aside because its "
+            "contributions came too late for them.", registry=r,
+        )
         self.info = Gauge(
             "peer_info", "Constant 1, labelled with this peer's software version, device, strategy and compression.",
             list(INFO_LABELS), registry=r,
@@ -202,6 +214,7 @@ class PeerMetrics:
         for reason in REJECTION_REASONS:
             self.rejected_downloads.labels(reason=reason)
         self.state_agrees.set(math.nan)
+        self.reducing.set(1)
         self.train_loss.set(math.nan)  # NaN, not 0, until a loss is known: 0 would read as a perfect model
         self.validation_loss.set(math.nan)
 
@@ -233,8 +246,9 @@ class PeerMetrics:
         self.target_progress_ratio.set(progress_ratio)
 
     def record_round(self, outcome: str, seconds: float, group_size: int, sent_bytes: int,
-                     received_bytes: int) -> None:
-        """One averaging round ended. Bytes are payload after compression, as computed by the caller."""
+                     received_bytes: int, left_out: bool = False) -> None:
+        """One averaging round ended. Bytes are payload after compression, as computed by the caller; `left_out`:
+        this peer's contribution came after the reducers' grace window."""
         if outcome not in ROUND_OUTCOMES:
             raise ValueError(f"unknown averaging outcome {outcome!r}; outcomes are {', '.join(ROUND_OUTCOMES)}")
         self.averaging_rounds.labels(outcome=outcome).inc()
@@ -244,6 +258,12 @@ class PeerMetrics:
                 self.averaging_group_size.set(group_size)
         self.sent_bytes.inc(max(0, sent_bytes))
         self.received_bytes.inc(max(0, received_bytes))
+        if left_out:
+            self.late_contributions.inc()
+
+    def set_reducing(self, reduces: bool) -> None:
+        """Whether this peer reduces parts of the average for its groups (0: it stands aside, too slow for them)."""
+        self.reducing.set(1 if reduces else 0)
 
     def record_checkpoint_failure(self) -> None:
         """A checkpoint could not be written."""

@@ -18,6 +18,9 @@ modules split out of the former averaging/hivemind_compat.py keep their history 
 - codec_registry.py: our codecs' wire ids, taught to hivemind's decoder;
 - allreduce.py: the round pipeline (averaging/pipeline/) driven inside each averager's all-reduce;
 - runner.py: canonical replies (every peer of a group takes the same bytes of each part's average);
+- grace.py: the grace window of every reducer (a late sender is left out of the round and still gets its
+  average), a finished round that still answers its latecomers, and load balancing that never leaves a group
+  without a reducer;
 - reducer.py: the robust reducer and all-reduce runner (hivemind's, screening each sender's part);
 - partition.py: error feedback's part container (hivemind's, over tensors plus residuals);
 - refusals.py: excluded peers refused in matchmaking and state sharing;

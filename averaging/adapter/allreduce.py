@@ -5,8 +5,10 @@
 - First thing in the averager's own process: that pipeline becomes the process's (refusals.py reads it).
 - Each all-reduce: upstream's `_run_allreduce_inplace_`, with canonical replies (averaging/adapter/runner.py:
   each peer copies the average's exact bits), and the stages applied at their points: error feedback's inputs
-  and part container, a robust runner when the averager carries a Defence, and the share of the average that
-  never arrived recorded by the completeness stage.
+  and part container, a robust runner when the averager carries a Defence, the grace window of its reducer
+  (averaging/adapter/grace.py: once this peer's round is over, the runner still answers the senders it left out
+  for an all-reduce timeout), and the share of the average that never arrived, and of this peer's contribution
+  that was left out, recorded by the completeness stage.
 """
 from __future__ import annotations
 
@@ -19,12 +21,17 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import aenumerate, as_aiter, azip
 
+from averaging.adapter.grace import keep_for_latecomers
 from averaging.adapter.reducer import RobustAllReduceRunner
 from averaging.adapter.runner import CanonicalAllReduceRunner
 from averaging.pipeline import round_pipeline
 from averaging.pipeline.completeness import Completeness
 from averaging.pipeline.defence import Defence
 from averaging.pipeline.error_feedback import ErrorFeedback
+from averaging.pipeline.stragglers import GraceWindow
+
+LATECOMERS_SECONDS = 60.0
+"""How long a finished round answers its latecomers when the averager has no all-reduce timeout."""
 
 plain_run_in_background = DecentralizedAverager.run_in_background
 plain_run = DecentralizedAverager.run
@@ -64,7 +71,7 @@ async def run_allreduce_inplace_through_pipeline(self: DecentralizedAverager, te
     runner = runner_class(
         p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=inputs, group_id=group_id,
         ordered_peer_ids=group_info.peer_ids, lossless_replies=isinstance(self, TrainingStateAverager),
-        **extra, **kwargs,
+        grace=pipeline.stage(GraceWindow), **extra, **kwargs,
     )
     assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
     self._running_groups[group_id].set_result(runner)
@@ -77,7 +84,9 @@ async def run_allreduce_inplace_through_pipeline(self: DecentralizedAverager, te
             self.last_updated = get_dht_time()
             self._state_updated.set()
         container = runner.tensor_part_container
-        pipeline.finish(group_info.group_id, container.failed_size, container.total_size)
+        pipeline.finish(group_info.group_id, container.failed_size, container.total_size, runner.left_out_size)
+        if runner.tensor_part_reducer.left_out:
+            keep_for_latecomers(self, group_id, runner, self._allreduce_timeout or LATECOMERS_SECONDS)
     else:
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")

@@ -8,31 +8,31 @@ AllReduceRunner with such a reducer. Both override upstream code that averaging/
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import List, Optional, Sequence
 
 import torch
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import PeerID
 
+from averaging.adapter.grace import GracefulPartReducer
 from averaging.adapter.runner import CanonicalAllReduceRunner
 from averaging.pipeline.defence import Defence, Verdict
 from averaging.pipeline.robust import Contribution, Drop, NothingToAggregate, aggregate
+from averaging.pipeline.stragglers import GraceWindow
 
 logger = logging.getLogger(__name__)
-
 
 
 # --- the reducer ---------------------------------------------------------------------------------
 
 
-class RobustPartReducer(TensorPartReducer):
-    """hivemind's TensorPartReducer, keeping each sender's part instead of a running sum, so that the
-    part can be screened and combined robustly once every sender's contribution has arrived."""
+class RobustPartReducer(GracefulPartReducer):
+    """hivemind's TensorPartReducer (with the grace window), keeping each sender's part instead of a running sum, so
+    that the part can be screened and combined robustly once every sender's contribution has arrived."""
 
     def __init__(self, part_shapes, sender_peer_ids: Sequence[PeerID], own_peer_id: PeerID, round_id: str,
-                 defence: Defence):
+                 defence: Defence, grace: Optional[GraceWindow] = None):
         self.sender_peer_ids, self.own_peer_id, self.round_id = list(sender_peer_ids), own_peer_id, round_id
         self.defence = defence
         excluded = defence.excluded()
@@ -41,39 +41,17 @@ class RobustPartReducer(TensorPartReducer):
         self.offences: dict = {}  # sender index -> the first Drop that was an offence
         self.participated: set = set()
         self.fully_judged: set = set()  # senders of a part whose direction was judged
-        super().__init__(part_shapes, len(self.sender_peer_ids))
+        super().__init__(part_shapes, len(self.sender_peer_ids), grace)
 
     def reset_accumulators(self):
         self.contributions = []
         super().reset_accumulators()
 
-    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
-                              weight: float = 1.0) -> torch.Tensor:
-        # upstream's bookkeeping, with the contribution kept instead of added to the running sum
-        assert 0 <= sender_index < self.num_senders, "invalid sender index"
-        assert 0 <= part_index < self.num_parts, "invalid part index"
-        self.num_parts_received[sender_index] += 1
-        while part_index > self.current_part_index:
-            finished = asyncio.create_task(self.finished.wait())
-            await asyncio.wait({self.current_part_future, finished}, return_when=asyncio.FIRST_COMPLETED)
-            finished.cancel()
-            if self.finished.is_set():
-                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
-        if self.sender_failed_after[sender_index] != float("inf"):
-            raise BannedException(f"sender {sender_index} was banned in background")
-        assert part_index == self.current_part_index
-        current_part_future = self.current_part_future
-        if part_index < self.sender_failed_after[sender_index]:
-            self.contributions.append(Contribution(sender_index, tensor_part, weight))
-            self.participated.add(sender_index)
-            self.current_part_accumulated_from += 1
-            self.check_current_part_finished()
-        return await current_part_future
+    def take(self, sender_index: int, tensor_part: torch.Tensor, weight: float) -> None:
+        self.contributions.append(Contribution(sender_index, tensor_part, weight))
+        self.participated.add(sender_index)
 
-    def check_current_part_finished(self):
-        assert self.current_part_accumulated_from <= self.num_current_senders
-        if self.current_part_accumulated_from != self.num_current_senders:
-            return
+    def finish_current_part(self) -> None:
         try:
             result, drops, fully_judged = aggregate(self.contributions, self.defence.policy,
                                                         self.excluded_senders)
@@ -121,9 +99,9 @@ class RobustAllReduceRunner(CanonicalAllReduceRunner):
     """hivemind's AllReduceRunner, with canonical replies, and a RobustPartReducer in place of its reducer."""
 
     def __init__(self, *, defence: Defence, **kwargs):
+        self.defence = defence
         super().__init__(**kwargs)
-        upstream_reducer = self.tensor_part_reducer
-        upstream_reducer.finished.set()  # never used: finalizing it would warn that it received nothing
-        self.tensor_part_reducer = RobustPartReducer(
-            upstream_reducer.part_shapes, self.sender_peer_ids, self.peer_id, self.group_id.hex()[:12], defence
-        )
+
+    def make_reducer(self, part_shapes, grace: Optional[GraceWindow]) -> RobustPartReducer:
+        return RobustPartReducer(part_shapes, self.sender_peer_ids, self.peer_id, self.group_id.hex()[:12],
+                                 self.defence, grace)

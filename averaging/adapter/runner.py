@@ -7,8 +7,12 @@ that a digest of their state never matches (averaging/swarm/digests.py). Canonic
 serializes the average of each part once and sends those same bytes to every sender; the reducer itself takes
 the decoded bytes for its own part. Rounds that average parameters reply losslessly (a codec step on a
 parameter would be a step of noise on the model); rounds of gradients reply with the codec their senders used,
-as upstream does, so their payload is unchanged. Overrides upstream code averaging/adapter/upstream.py
-fingerprints.
+as upstream does, so their payload is unchanged.
+
+The runner's reducer has a grace window (averaging/adapter/grace.py): a sender whose contribution to a part came
+too late still receives the part's average, and the reply's `weight` field, which upstream leaves unused in
+replies, says so (LEFT_OUT); `left_out_size` counts what of this peer's own contribution was left out that way.
+Overrides upstream code averaging/adapter/upstream.py fingerprints.
 """
 from __future__ import annotations
 
@@ -18,16 +22,20 @@ from typing import AsyncIterator, Dict, Optional, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import BannedException, TensorPartContainer
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import amap_in_executor
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from averaging.adapter.grace import GracefulPartReducer
 from averaging.adapter.partition import FeedbackPartContainer
+from averaging.pipeline.stragglers import GraceWindow
 
 logger = logging.getLogger(__name__)
 
 LOSSLESS = runtime_pb2.CompressionType.NONE
+INCLUDED, LEFT_OUT = 1.0, -1.0
+"""The `weight` of a reply: whether the sender's contribution is in the part's average, or came too late."""
 CONTAINER_OPTIONS = ("compression", "part_size_bytes", "tensor_infos", "prefetch")
 
 
@@ -39,12 +47,14 @@ class CanonicalAllReduceRunner(AllReduceRunner):
     :param lossless_replies: reply without compression whatever codec the senders used (parameter rounds)
     :param carried: error feedback's residuals, already added into `tensors` (a FeedbackPartContainer then
       keeps what the codec loses)
+    :param grace: the grace window of this peer's reducer (None: wait for every sender, as upstream)
     """
 
     def __init__(self, *, tensors: Sequence[torch.Tensor], lossless_replies: bool = False,
-                 carried: Optional[Sequence[torch.Tensor]] = None, **kwargs):
+                 carried: Optional[Sequence[torch.Tensor]] = None, grace: Optional[GraceWindow] = None, **kwargs):
         super().__init__(tensors=tensors, **kwargs)
         self.lossless_replies = lossless_replies
+        self.left_out_size = 0  # elements of this peer's contribution that reducers left out as late
         self._replies: Dict[int, asyncio.Future] = {}  # part index -> its average, serialized once
         self._reply_codecs: Dict[int, int] = {}  # part index -> the codec its senders used
         own_index = self.ordered_peer_ids.index(self.peer_id)
@@ -58,6 +68,24 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             self.tensor_part_container = FeedbackPartContainer(tensors, self.peer_fractions, carried, own_index,
                                                                **options)
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(own_index)
+        upstream_reducer = self.tensor_part_reducer
+        upstream_reducer.finished.set()  # never used: finalizing it would warn that it received nothing
+        self.tensor_part_reducer = self.make_reducer(upstream_reducer.part_shapes, grace)
+
+    def make_reducer(self, part_shapes, grace: Optional[GraceWindow]) -> GracefulPartReducer:
+        return GracefulPartReducer(part_shapes, len(self.sender_peer_ids), grace)
+
+    def serves_latecomer(self, peer_id) -> bool:
+        """Whether `peer_id` is a sender this runner left out as late and still answers after its round ended."""
+        done = self._future.done() and not self._future.cancelled() and self._future.exception() is None
+        return done and self.sender_peer_ids.index(peer_id) in self.tensor_part_reducer.left_out
+
+    def _check_reasons_to_reject(self, request: averaging_pb2.AveragingData, context):
+        reason = super()._check_reasons_to_reject(request, context)
+        if reason is not None and reason.code == averaging_pb2.INTERNAL_ERROR and self.serves_latecomer(
+                context.remote_id):
+            return None  # this round is over here, but the latecomer still gets its average
+        return reason
 
     async def _serialized_average(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
         """The reply for a part: serialized on its first request, the same bytes for every later one."""
@@ -70,7 +98,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
+            return await self._exchange_with_reducer(peer_id)
         # this peer's own part: the bytes its other senders receive, decoded; every other sender's part
         # (and so its codec) has arrived by the time the average is known
         peer_index = self.ordered_peer_ids.index(peer_id)
@@ -81,6 +109,39 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             reply = await self._serialized_average(part_index, averaged_part)
             self.tensor_part_container.register_processed_part(
                 peer_index, part_index, deserialize_torch_tensor(reply))
+
+    async def _exchange_with_reducer(self, peer_id):
+        # upstream's _communicate_with_peer for another peer, counting the parts whose replies say LEFT_OUT
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        expected_parts = self.tensor_part_container.num_parts_by_peer[peer_index]
+        try:
+            done_sending = asyncio.Event()
+            inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            def _try_deserialize(msg):
+                if msg.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
+                return deserialize_torch_tensor(msg.tensor_part), msg
+
+            part_index = 0
+            async for average, msg in amap_in_executor(
+                _try_deserialize, aiter_with_timeout(stream, self.reducer_timeout),
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                if msg.weight == LEFT_OUT:
+                    self.left_out_size += average.numel()
+                self.tensor_part_container.register_processed_part(peer_index, part_index, average)
+                part_index += 1
+            if part_index != expected_parts:
+                raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected_parts}")
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"Caught {repr(e)} when communicating to {peer_id}", exc_info=True)
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                           sender_index: int):
@@ -100,8 +161,10 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                     logger.debug(f"Sender {sender_index} is already banned")
                     break  # the sender was banned: its part is no longer aggregated
                 reply = await self._serialized_average(part_index, averaged_part)
+                late = self.tensor_part_reducer.left_out_of(sender_index, part_index)
                 part_index += 1
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=reply)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=reply,
+                                                  weight=LEFT_OUT if late else INCLUDED)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])

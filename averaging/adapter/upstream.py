@@ -39,19 +39,26 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_AVERAGER}.rpc_download_state": ("fd2f6f19e7d247af", "averaging/adapter/refusals.py"),
     f"{_AVERAGER}._load_state_from_peers": ("fe7b419d01ced5fe", "averaging/adapter/refusals.py"),
     f"{_MATCHMAKING}._request_join_group": ("df823040a94d1c1d", "averaging/adapter/refusals.py"),
-    # subclassed by averaging/adapter/reducer.py
-    f"{_REDUCER}.__init__": ("9ebe1038f511931b", "averaging/adapter/reducer.py"),
-    f"{_REDUCER}.accumulate_part": ("1d64a8bd77052ac4", "averaging/adapter/reducer.py"),
-    f"{_REDUCER}.check_current_part_finished": ("ec9b059c42f3ca27", "averaging/adapter/reducer.py"),
-    f"{_REDUCER}.reset_accumulators": ("5d3dc36f344a342e", "averaging/adapter/reducer.py"),
-    f"{_REDUCER}.finalize": ("dded462a11871d59", "averaging/adapter/reducer.py"),
+    f"{_AVERAGER}.rpc_aggregate_part": ("06ad9597d5884df8", "averaging/adapter/grace.py"),
+    "hivemind.averaging.averager.load_balance_peers": ("32f8b8d0c41d2653", "averaging/adapter/grace.py"),
+    # subclassed by averaging/adapter/grace.py (and so by averaging/adapter/reducer.py)
+    f"{_REDUCER}.__init__": ("9ebe1038f511931b", "averaging/adapter/grace.py"),
+    f"{_REDUCER}.accumulate_part": ("1d64a8bd77052ac4", "averaging/adapter/grace.py"),
+    f"{_REDUCER}.check_current_part_finished": ("ec9b059c42f3ca27", "averaging/adapter/grace.py"),
+    f"{_REDUCER}.reset_accumulators": ("5d3dc36f344a342e", "averaging/adapter/grace.py"),
+    f"{_REDUCER}.on_sender_failed": ("8a7de53789ffecb1", "averaging/adapter/grace.py"),
+    f"{_REDUCER}.finalize": ("dded462a11871d59", "averaging/adapter/grace.py, averaging/adapter/reducer.py"),
     "hivemind.averaging.allreduce.AllReduceRunner.__init__":
-        ("597a0c8dbbeabbe3", "averaging/adapter/reducer.py, averaging/adapter/runner.py"),
+        ("597a0c8dbbeabbe3", "averaging/adapter/runner.py"),
     # subclassed by averaging/adapter/runner.py
     "hivemind.averaging.allreduce.AllReduceRunner._accumulate_parts_streaming":
         ("6c5a3c7266060303", "averaging/adapter/runner.py"),
     "hivemind.averaging.allreduce.AllReduceRunner._communicate_with_peer":
         ("d910885e9727ed48", "averaging/adapter/runner.py"),
+    "hivemind.averaging.allreduce.AllReduceRunner._check_reasons_to_reject":
+        ("ac23a0fc97603637", "averaging/adapter/runner.py"),
+    "hivemind.averaging.allreduce.AllReduceRunner.rpc_aggregate_part":
+        ("c66765f4ad58eeaf", "averaging/adapter/grace.py, averaging/adapter/runner.py"),
     # subclassed by averaging/adapter/partition.py
     f"{_CONTAINER}.__init__": ("b652a9b7267354d8", "averaging/adapter/partition.py"),
     f"{_CONTAINER}.register_processed_part": ("ff5ebad6141c4a88", "averaging/adapter/partition.py"),

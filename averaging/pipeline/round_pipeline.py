@@ -8,9 +8,12 @@ In order, for each round of an averager:
 3. robust reduction (defence.Defence): where this peer reduces a part, each sender's contribution is screened
    and combined robustly (robust.py), its verdicts go to exclusion (exclusion.py), and excluded peers are
    refused in matchmaking and state sharing;
-4. completeness (completeness.Completeness): the share of the average that never reached this peer is
-   recorded, so that the training process can tell a partial round from a whole one;
-5. the state digest (donors.DonorFilter): a state download skips the donors whose state is not the swarm's
+4. the grace window (stragglers.GraceWindow): where this peer reduces a part, it waits for the last senders only so
+   long after a quorum of them delivered; a latecomer is left out and still receives the average;
+5. completeness (completeness.Completeness): the share of the average that never reached this peer, and of its
+   contribution that reducers left out as late, is recorded, so that the training process can tell a partial
+   round from a whole one, and a slow peer that it is slow;
+6. the state digest (donors.DonorFilter): a state download skips the donors whose state is not the swarm's
    (averaging/swarm/digests.py).
 
 A stage is a small object with the hooks it needs (RoundStage); a RoundPipeline is the ordered tuple of the
@@ -44,8 +47,10 @@ class RoundStage:
         """Whether this averager must not download state from `peer_id` now (it may still average with it)."""
         return False
 
-    def finish(self, group_id: bytes, failed_size: int, total_size: int) -> None:
-        """In the averager's process, after each all-reduce of group `group_id` (sizes in tensor elements)."""
+    def finish(self, group_id: bytes, failed_size: int, total_size: int, left_out_size: int = 0) -> None:
+        """In the averager's process, after each all-reduce of group `group_id` (sizes in tensor elements): of
+        `total_size`, `failed_size` never arrived, and reducers left `left_out_size` of this peer's contribution
+        out as late (averaging/pipeline/stragglers.py)."""
 
 
 class RoundPipeline:
@@ -69,9 +74,9 @@ class RoundPipeline:
     def refuses_donor(self, peer_id) -> bool:
         return any(stage.refuses(peer_id) or stage.refuses_donor(peer_id) for stage in self.stages)
 
-    def finish(self, group_id: bytes, failed_size: int, total_size: int) -> None:
+    def finish(self, group_id: bytes, failed_size: int, total_size: int, left_out_size: int = 0) -> None:
         for stage in self.stages:
-            stage.finish(group_id, failed_size, total_size)
+            stage.finish(group_id, failed_size, total_size, left_out_size)
 
 
 EMPTY = RoundPipeline()

@@ -19,6 +19,7 @@ from averaging.pipeline.error_feedback import ErrorFeedback
 from averaging.pipeline.exclusion import ExclusionBook, ExclusionRule, ExclusionWatch
 from averaging.pipeline.robust import RobustPolicy
 from averaging.pipeline.round_pipeline import including
+from averaging.pipeline.stragglers import GraceWindow
 from averaging.registry import STRATEGIES
 from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.parts import StrategyParts
@@ -56,7 +57,8 @@ def build_swarm_optimizer(
     parts = _parts(config, tracker_opts, rounds, agreement)
     try:
         # every averager forked below carries them
-        with including(defence), including(agreement.donor_filter if agreement else None):
+        grace = GraceWindow(config.straggler_grace_ratio, config.straggler_grace_min_seconds)
+        with including(defence), including(grace), including(agreement.donor_filter if agreement else None):
             return strategy.load_builder()(config, replica, parts)
     except BaseException:
         if agreement is not None:

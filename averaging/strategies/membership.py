@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Optional, Tuple
 
+from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.crypto import RSAPrivateKey
@@ -49,6 +50,7 @@ class SharesState(ReportsProgress):
 
     rounds: RoundKeeper
     state_averager: TrainingStateAverager
+    grad_averager: Optional[DecentralizedAverager]
     donor_averagers: Tuple
     """The averagers that declare this peer as a donor, and at which priority."""
     _apply_deadlines: Callable[[Deadlines], None]
@@ -110,9 +112,11 @@ class SharesState(ReportsProgress):
             self.agreement.close()
 
     def _after_round(self) -> None:
-        """After a round: rank below the whole peers while apart, and choose the deadlines again ('auto')."""
+        """After a round: rank below the whole peers while apart, declare whether this peer reduces for its next
+        groups, and choose the deadlines again ('auto')."""
         if self.rounds.apart:
             declare_apart(self.donor_averagers, self.local_epoch)
+        declare_bandwidth((self.state_averager, self.grad_averager), self.rounds.role.bandwidth)
         retuned = self.rounds.retune(self.swarm_view())
         if retuned is not None:
             self._apply_deadlines(retuned)
@@ -123,6 +127,14 @@ def step_scheduler_to(scheduler, epoch: int) -> None:
     if scheduler is not None:
         while scheduler._step_count <= epoch:
             scheduler.step()
+
+
+def declare_bandwidth(averagers: Iterable, bandwidth: Optional[float]) -> None:
+    """What these averagers declare to their next groups as their bandwidth (0: reduce nothing; None: an equal
+    share), read by hivemind as each round is scheduled."""
+    for averager in averagers:
+        if averager is not None:
+            averager.bandwidth = bandwidth
 
 
 def join_or_terminate(averagers: Iterable, timeout_seconds: float) -> None:

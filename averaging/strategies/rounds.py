@@ -19,6 +19,9 @@
   swarm already ahead then means this peer is out of step, and it downloads.
 - Deadlines: with 'auto', they are chosen again after every epoch from the swarm's rate.
 - Exclusion: the watch that turns reducers' verdicts into excluded peers runs as long as the rounds.
+- Role: a peer whose contribution its group's reducers left out as late stands aside from reducing parts for
+  others until its contributions arrive in time again (averaging/pipeline/stragglers.py ReducerRole); the
+  strategy declares `role.bandwidth` to its next groups.
 - State downloads: a bounded number of attempts instead of hivemind's `while True`, and after a
   download that got nothing, the next one waits (2 s, doubling up to a minute): a peer whose
   downloads keep failing (another model's shapes, a claimed epoch nobody can serve) must not ask
@@ -35,6 +38,7 @@ from typing import Callable, ContextManager, Iterable, Optional
 from averaging.api import APART, AveragingHooks, RoundReport, SwarmView
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.pipeline.exclusion import ExclusionWatch
+from averaging.pipeline.stragglers import ReducerRole
 from averaging.swarm.donor import DonorView
 
 logger = logging.getLogger(__name__)
@@ -61,6 +65,7 @@ class RoundKeeper:
         self._settled_check_at: Optional[float] = None
         self._failed_downloads, self._next_download_at = 0, float("-inf")
         self.downloaded_at_epoch: Optional[int] = None  # the epoch of the last state this peer downloaded
+        self.role = ReducerRole()
         self.clock = time.monotonic
 
     def excluded_peer_ids(self) -> frozenset:
@@ -83,7 +88,28 @@ class RoundKeeper:
         """Record a round's outcome; `others_present`: whether other peers may have averaged without this one."""
         self.note_apart(report, others_present)
         self.deadlines.observe_round(report.outcome, report.seconds)
+        self.report(report)
+
+    def report(self, report: RoundReport) -> None:
+        """A round to report (local-sgd's parameter rounds come here directly): its outcome, and what its timing
+        says of this peer's role."""
+        self.observe_timing(report)
         self.hooks.round_finished(report)
+
+    def observe_timing(self, report: RoundReport) -> None:
+        """Whether this peer's contribution came too late for its group: it stands aside from reducing, or, on time
+        again for long enough, reduces again."""
+        reduces = self.role.observe(report.left_out, whole=report.outcome == "ok")
+        if reduces is None:
+            return
+        if reduces:
+            logger.info("this peer's contributions arrive in time again: it reduces parts of the average again")
+        else:
+            logger.warning(f"{100 * report.left_out:.0f}% of this peer's contribution reached its group after the "
+                           f"reducers' grace window and was left out (a slow uplink or a busy machine): this peer "
+                           f"stops reducing parts of the average for others, so that they do not wait for it, and "
+                           f"still receives each round's result")
+        self.hooks.reducing_changed(reduces)
 
     def note_apart(self, report: RoundReport, others_present: bool) -> None:
         """Only whether the round left this peer apart (for rounds that are not reported, as sync's state rounds)."""

@@ -127,7 +127,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
     # --- the hooks of HookedOptimizer ------------------------------------------------------------
 
     def make_state_averager(self, **kwargs) -> TrainingStateAverager:
-        report = self.rounds.hooks.round_finished if self.report_state_rounds else self._state_round_finished
+        report = self.rounds.report if self.report_state_rounds else self._state_round_finished
         return ReportingStateAverager(
             report=report,
             serve=self.rounds.hooks.serve_state,
@@ -197,6 +197,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
 
     def _state_round_finished(self, report: RoundReport) -> None:
         """A parameter-averaging round that undoes drift; a peer left out of one is apart from its group."""
+        self.rounds.observe_timing(report)
         self.rounds.note_apart(report, others_present=self._others_present())
 
     def should_download_state(self, upstream_says) -> bool:

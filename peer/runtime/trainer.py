@@ -66,7 +66,7 @@ class RoundTally:
                               contribution_dropped=self.on_dropped_contribution, peer_excluded=self.on_exclusion,
                               before_round=faults.before_round, guards_gradients=faults.guards_gradients,
                               serve_state=faults.serve_state_hook(), state_checked=self.on_state_check,
-                              download_rejected=self.on_download_rejected)
+                              download_rejected=self.on_download_rejected, reducing_changed=self.on_reducing_changed)
 
     def on_round(self, report: RoundReport) -> None:
         self.last_outcome = report.outcome
@@ -74,7 +74,14 @@ class RoundTally:
         if report.outcome in ("ok", "partial"):
             self.summary.largest_group = max(self.summary.largest_group, report.group_size)
         self.summary.averaging_sent_bytes += bytes_moved(self.payload_bytes, report.group_size, report.outcome)
+        if report.left_out > 0:
+            self.summary.late_contributions += 1
         self.observer.on_round(report, self.payload_bytes)
+
+    def on_reducing_changed(self, reduces: bool) -> None:
+        if not reduces:
+            self.summary.stood_aside += 1
+        self.observer.on_reducing_changed(reduces)
 
     def on_state_loaded(self, epoch: int) -> None:
         self.summary.state_downloads += 1

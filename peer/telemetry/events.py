@@ -85,6 +85,17 @@ class RoundEnded(Event):
     seconds: float
     group_size: int
     reason: str = ""
+    left_out: float = 0.0
+    """The share of this peer's contribution that reached its group after the reducers' grace window and was left
+    out of the round (averaging/pipeline/stragglers.py); this peer still received the round's result."""
+
+
+class ReducingChanged(Event):
+    """This peer stopped reducing parts of the average for its groups (its contributions came after their grace
+    window: a slow uplink or a busy machine), or reduces again (in time for long enough)."""
+
+    event: Literal["reducing"] = "reducing"
+    reduces: bool
 
 
 class CheckpointWritten(Event):
@@ -162,7 +173,7 @@ class Exited(Event):
 
 AnyEvent = Annotated[
     Union[Ready, Joined, StateDownloaded, EpochEnded, RoundEnded, CheckpointWritten, BottleneckChanged,
-          PeerExcluded, StateChecked, DownloadRejected, SwarmSplit, SwarmRejoined, Leaving, Exited],
+          PeerExcluded, StateChecked, DownloadRejected, ReducingChanged, SwarmSplit, SwarmRejoined, Leaving, Exited],
     Field(discriminator="event"),
 ]
 _ANY_EVENT = TypeAdapter(AnyEvent)

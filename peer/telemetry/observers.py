@@ -21,6 +21,7 @@ from peer.telemetry.events import (
     Joined,
     Leaving,
     PeerExcluded,
+    ReducingChanged,
     RoundEnded,
     StateChecked,
     StateDownloaded,
@@ -67,7 +68,8 @@ class MetricsObserver(TrainingObserver):
 
     def on_round(self, report: RoundReport, payload_bytes: int) -> None:
         moved = bytes_moved(payload_bytes, report.group_size, report.outcome)
-        self.metrics.record_round(report.outcome, report.seconds, report.group_size, moved, moved)
+        self.metrics.record_round(report.outcome, report.seconds, report.group_size, moved, moved,
+                                  left_out=report.left_out > 0)
 
     def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:
         self.metrics.set_swarm(peers, samples_per_second, progress_ratio)
@@ -92,6 +94,9 @@ class MetricsObserver(TrainingObserver):
     def on_download_rejected(self, donor: str, reason: str) -> None:
         self.metrics.record_rejected_download(reason)
 
+    def on_reducing_changed(self, reduces: bool) -> None:
+        self.metrics.set_reducing(reduces)
+
 
 class EventsObserver(TrainingObserver):
     """Writes the loop's reports to the events file (peer/telemetry/events.py); steps are too many to be events."""
@@ -111,7 +116,7 @@ class EventsObserver(TrainingObserver):
 
     def on_round(self, report: RoundReport, payload_bytes: int) -> None:
         self.events.emit(RoundEnded(outcome=report.outcome, seconds=report.seconds, group_size=report.group_size,
-                                    reason=report.reason))
+                                    reason=report.reason, left_out=round(report.left_out, 4)))
 
     def on_state_loaded(self, epoch: int) -> None:
         self.events.emit(StateDownloaded(epoch=epoch))
@@ -128,6 +133,9 @@ class EventsObserver(TrainingObserver):
 
     def on_download_rejected(self, donor: str, reason: str) -> None:
         self.events.emit(DownloadRejected(donor=donor, reason=reason))
+
+    def on_reducing_changed(self, reduces: bool) -> None:
+        self.events.emit(ReducingChanged(reduces=reduces))
 
     def on_leaving(self, reason: str) -> None:
         self.events.emit(Leaving(reason=reason))
@@ -192,6 +200,10 @@ class Observers(TrainingObserver):
     def on_download_rejected(self, donor: str, reason: str) -> None:
         for observer in self.observers:
             observer.on_download_rejected(donor, reason)
+
+    def on_reducing_changed(self, reduces: bool) -> None:
+        for observer in self.observers:
+            observer.on_reducing_changed(reduces)
 
     def on_leaving(self, reason: str) -> None:
         for observer in self.observers:

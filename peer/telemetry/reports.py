@@ -57,5 +57,8 @@ class TrainingObserver:
 
     def on_download_rejected(self, donor: str, reason: str) -> None: ...
 
+    def on_reducing_changed(self, reduces: bool) -> None:
+        """This peer stopped (False) or resumed (True) reducing parts of the average for its groups."""
+
     def on_leaving(self, reason: str) -> None:
         """The loop has ended, for `reason`; the peer checkpoints and leaves."""

@@ -51,6 +51,10 @@ class PeerSummary(BaseModel):
     """Epochs at which this peer found its state apart from the swarm's (averaging/swarm/digests.py)."""
     rejected_downloads: int = 0
     """Downloaded states refused before they were applied (not their donor's published state, or not the swarm's)."""
+    late_contributions: int = 0
+    """Rounds in which this peer's contribution came after its group's grace window and was left out."""
+    stood_aside: int = 0
+    """Times this peer stopped reducing parts of the average for others because it was too slow for them."""
     exit_reason: str = "running"
 
     def write(self, path: Path) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import hivemind
 import pytest
@@ -12,7 +12,7 @@ from averaging import adapter
 from averaging.pipeline.defence import Defence
 from averaging.pipeline.error_feedback import ErrorFeedback
 from averaging.pipeline.robust import RobustPolicy
-from averaging.pipeline.round_pipeline import including
+from averaging.pipeline.round_pipeline import RoundStage, including
 from tests.inprocess.test_averaging import run_in_threads, start_dhts
 
 PEERS = 4
@@ -26,9 +26,10 @@ def honest_values(seed: int) -> torch.Tensor:
 
 @contextlib.contextmanager
 def averagers(values: List[Union[torch.Tensor, List[torch.Tensor]]], defences: Optional[List[Defence]] = None,
-              prefix: str = "robust_test", feedbacks: Optional[List[ErrorFeedback]] = None, **options):
-    """One real averager per tensor (or list of tensors), each on its own DHT in this process, with its
-    Defence and ErrorFeedback if given; `options` go to every averager."""
+              prefix: str = "robust_test", feedbacks: Optional[List[ErrorFeedback]] = None,
+              averager_class=hivemind.averaging.DecentralizedAverager, stages: Sequence[RoundStage] = (), **options):
+    """One real averager (of `averager_class`) per tensor (or list of tensors), each on its own DHT in this
+    process, with its Defence and ErrorFeedback if given, and `stages` for all; `options` go to every averager."""
     adapter.install()
     defences = defences or [None] * len(values)
     feedbacks = feedbacks or [None] * len(values)
@@ -36,8 +37,10 @@ def averagers(values: List[Union[torch.Tensor, List[torch.Tensor]]], defences: O
     built = []
     try:
         for dht, tensors, defence, feedback in zip(dhts, values, defences, feedbacks):
-            with including(defence), including(feedback):
-                built.append(hivemind.averaging.DecentralizedAverager(
+            with contextlib.ExitStack() as included:
+                for stage in (defence, feedback, *stages):
+                    included.enter_context(including(stage))
+                built.append(averager_class(
                     tensors if isinstance(tensors, list) else [tensors], dht, prefix=prefix,
                     target_group_size=len(values), min_group_size=2, min_matchmaking_time=2.0, request_timeout=1.0,
                     start=True, **options,

@@ -105,6 +105,8 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "exclude_after": [lambda t: "0"],
     "exclude_window": [lambda t: "0"],
     "exclusion_seconds": [lambda t: "-5"],
+    "straggler_grace_ratio": [lambda t: "-1", lambda t: "soon"],
+    "straggler_grace_min_seconds": [lambda t: "0"],
 }
 
 CASES = [(name, index) for name in sorted(BAD_VALUES) for index in range(len(BAD_VALUES[name]))]
