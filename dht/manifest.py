@@ -21,11 +21,13 @@ from dht.records import RunManifest, read_live
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Raise it whenever peers of two versions of this daemon can no longer train together, or read each other's
 records (2: PeerInfo carries val_loss, a field the schema of version 1 refuses; 3: int8 and int4 reducers reply
 in dense fp16, and topk messages may carry int8 values, which version 2 decodes as garbage; 4: a
-reducer replies with the average itself, not a delta to it, which version 3 would add to its own values)."""
+reducer replies with the average itself, not a delta to it, which version 3 would add to its own values; 5: a
+reducer leaves a late sender out of the round and marks its replies so, which version 4 would read as a round that
+counted it, and never stand aside)."""
 MANIFEST_TTL_SECONDS = 600.0
 """How long a copy lives after its holder last refreshed it: a swarm that pauses briefly keeps its manifest."""
 REFRESH_PERIOD_SECONDS = 60.0
