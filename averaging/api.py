@@ -39,6 +39,13 @@ class RoundReport:
     left_out: float = 0.0
     """The share of this peer's contribution that its group's reducers left out because it arrived after their
     grace window (averaging/pipeline/stragglers.py); this peer still received the group's average."""
+    judged_slow: bool = False
+    """Its group found this peer's replies late in earlier rounds and gave it nothing to reduce in this one."""
+
+    @property
+    def late(self) -> bool:
+        """Whether this peer was too slow for its group in this round (averaging/pipeline/stragglers.py)."""
+        return self.left_out > 0 or self.judged_slow
 
 
 @dataclass(frozen=True)

@@ -220,7 +220,7 @@ class AveragingConfig(BaseModel):
         "every member up to the averaging timeout.",
     )
     straggler_grace_min_seconds: float = Field(
-        default=0.25, gt=0, description="The shortest grace window a reducer gives a group's last contributions."
+        default=0.1, gt=0, description="The shortest grace window a reducer gives a group's last contributions."
     )
     delay_updates: bool = Field(
         default=False,

@@ -28,7 +28,8 @@ from averaging.pipeline import round_pipeline
 from averaging.pipeline.completeness import Completeness
 from averaging.pipeline.defence import Defence
 from averaging.pipeline.error_feedback import ErrorFeedback
-from averaging.pipeline.stragglers import GraceWindow
+from averaging.pipeline.round_pipeline import RoundEnd
+from averaging.pipeline.stragglers import GraceWindow, declared, late_arrivals
 
 LATECOMERS_SECONDS = 60.0
 """How long a finished round answers its latecomers when the averager has no all-reduce timeout."""
@@ -58,6 +59,7 @@ async def run_allreduce_inplace_through_pipeline(self: DecentralizedAverager, te
     pipeline = round_pipeline.of(self)
     defence, feedback = pipeline.stage(Defence), pipeline.stage(ErrorFeedback)
     group_id = group_info.group_id if group_id is None else group_id
+    grace = pipeline.stage(GraceWindow)
     runner_class, extra = CanonicalAllReduceRunner, {}
     if defence is not None:
         runner_class, extra = RobustAllReduceRunner, dict(defence=defence)
@@ -71,7 +73,7 @@ async def run_allreduce_inplace_through_pipeline(self: DecentralizedAverager, te
     runner = runner_class(
         p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=inputs, group_id=group_id,
         ordered_peer_ids=group_info.peer_ids, lossless_replies=isinstance(self, TrainingStateAverager),
-        grace=pipeline.stage(GraceWindow), **extra, **kwargs,
+        grace=grace, **extra, **kwargs,
     )
     assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
     self._running_groups[group_id].set_result(runner)
@@ -84,12 +86,26 @@ async def run_allreduce_inplace_through_pipeline(self: DecentralizedAverager, te
             self.last_updated = get_dht_time()
             self._state_updated.set()
         container = runner.tensor_part_container
-        pipeline.finish(group_info.group_id, container.failed_size, container.total_size, runner.left_out_size)
+        pipeline.finish(RoundEnd(
+            group_info.group_id, container.failed_size, container.total_size, runner.left_out_size,
+            late_reducers=late_arrivals(runner.replied_after_seconds, grace) if grace is not None else frozenset(),
+            judged_slow=judged_slow(self, group_info, kwargs.get("peer_fractions")),
+        ))
         if runner.tensor_part_reducer.left_out:
             keep_for_latecomers(self, group_id, runner, self._allreduce_timeout or LATECOMERS_SECONDS)
     else:
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")
+
+
+def judged_slow(averager: DecentralizedAverager, group_info: GroupInfo, peer_fractions) -> bool:
+    """Whether this peer declared a bandwidth but its group gave it nothing to reduce: more than half of the others
+    found its replies late (averaging/pipeline/stragglers.py judged_bandwidths)."""
+    if not peer_fractions or len(group_info.peer_ids) < 3:
+        return False
+    index = group_info.peer_ids.index(averager.peer_id)
+    own_claim = averager.serializer.loads(group_info.gathered[index])[0]
+    return peer_fractions[index] == 0 and declared(own_claim) != 0
 
 
 def adopt(tensor, average, alpha: float) -> None:

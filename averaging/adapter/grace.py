@@ -7,7 +7,9 @@
 - A runner whose own round is over keeps serving its latecomers for a while (`keep_for_latecomers`): upstream
   forgets a group as soon as its round ends and answers its late senders' first message with an error, which
   would leave a slow peer with its own values for that part, apart from its group.
-- Load balancing never gives every peer of a group nothing to reduce (all of them standing aside).
+- Load balancing reads the bandwidth every member declared as a claim (averaging/pipeline/stragglers.py): a member
+  that more than half of the others found late as a reducer gets no part, and a group never ends up with no
+  reducer at all (all of them standing aside).
 
 Overrides upstream code that averaging/adapter/upstream.py fingerprints.
 """
@@ -26,7 +28,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter
 
-from averaging.pipeline.stragglers import GraceWindow
+from averaging.pipeline.stragglers import GraceWindow, judged_bandwidths
 
 logger = logging.getLogger(__name__)
 NO_WINDOW = GraceWindow(ratio=0.0)
@@ -186,9 +188,10 @@ async def rpc_aggregate_part_serving_latecomers(
 plain_load_balance_peers = averager_module.load_balance_peers
 
 
-def load_balance_peers_with_a_reducer(vector_size, bandwidths, min_size: int = 0):
-    """Upstream's, except that a group in which every peer declares no bandwidth (all standing aside) is split
-    evenly instead of failing its round."""
+def load_balance_peers_judging_claims(vector_size, bandwidths, min_size: int = 0):
+    """Upstream's, on the bandwidths that the members' claims come to (judged_bandwidths); a group in which none is
+    left to reduce is split evenly instead of failing its round."""
+    bandwidths = judged_bandwidths(bandwidths)
     if all(bandwidth == 0 for bandwidth in bandwidths):
         bandwidths = [None] * len(bandwidths)
     return plain_load_balance_peers(vector_size, bandwidths, min_size)
@@ -197,5 +200,6 @@ def load_balance_peers_with_a_reducer(vector_size, bandwidths, min_size: int = 0
 _AVERAGER = "hivemind.averaging.averager"
 PATCHES = {
     f"{_AVERAGER}.DecentralizedAverager.rpc_aggregate_part": rpc_aggregate_part_serving_latecomers,
-    f"{_AVERAGER}.load_balance_peers": load_balance_peers_with_a_reducer,
+    f"{_AVERAGER}.load_balance_peers": load_balance_peers_judging_claims,
+    "hivemind.optim.power_sgd_averager.load_balance_peers": load_balance_peers_judging_claims,
 }

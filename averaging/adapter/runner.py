@@ -11,13 +11,15 @@ as upstream does, so their payload is unchanged.
 
 The runner's reducer has a grace window (averaging/adapter/grace.py): a sender whose contribution to a part came
 too late still receives the part's average, and the reply's `weight` field, which upstream leaves unused in
-replies, says so (LEFT_OUT); `left_out_size` counts what of this peer's own contribution was left out that way.
+replies, says so (LEFT_OUT); `left_out_size` counts what of this peer's own contribution was left out that way, and
+`replied_after_seconds` when each reducer's last reply (this peer's own part: its average) came.
 Overrides upstream code averaging/adapter/upstream.py fingerprints.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import AsyncIterator, Dict, Optional, Sequence
 
 import torch
@@ -55,6 +57,8 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         super().__init__(tensors=tensors, **kwargs)
         self.lossless_replies = lossless_replies
         self.left_out_size = 0  # elements of this peer's contribution that reducers left out as late
+        self.replied_after_seconds: Dict[str, float] = {}  # reducer (base58) -> when its last reply came
+        self._started_at = time.monotonic()
         self._replies: Dict[int, asyncio.Future] = {}  # part index -> its average, serialized once
         self._reply_codecs: Dict[int, int] = {}  # part index -> the codec its senders used
         own_index = self.ordered_peer_ids.index(self.peer_id)
@@ -109,6 +113,10 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             reply = await self._serialized_average(part_index, averaged_part)
             self.tensor_part_container.register_processed_part(
                 peer_index, part_index, deserialize_torch_tensor(reply))
+        self._replied(peer_id)
+
+    def _replied(self, reducer) -> None:
+        self.replied_after_seconds[reducer.to_base58()] = time.monotonic() - self._started_at
 
     async def _exchange_with_reducer(self, peer_id):
         # upstream's _communicate_with_peer for another peer, counting the parts whose replies say LEFT_OUT
@@ -137,6 +145,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                 part_index += 1
             if part_index != expected_parts:
                 raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected_parts}")
+            self._replied(peer_id)
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"Caught {repr(e)} when communicating to {peer_id}", exc_info=True)

@@ -31,7 +31,8 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_AVERAGER}._declare_for_download_periodically": ("23ae6db0d205bcaf", "averaging/adapter/pacing.py"),
     "hivemind.averaging.key_manager.GroupKeyManager.get_averagers":
         ("916b0cdb1efbc75c", "averaging/adapter/pacing.py"),
-    f"{_AVERAGER}.step": ("0bccfba139de5ec2", "averaging/adapter/recorded_steps.py"),
+    f"{_AVERAGER}.step": ("0bccfba139de5ec2",
+                          "averaging/adapter/recorded_steps.py, averaging/pipeline/stragglers.py (its bandwidth)"),
     f"{_AVERAGER}._run_allreduce_inplace_": ("914d57cffc7d69e1", "averaging/adapter/allreduce.py"),
     f"{_AVERAGER}.run": ("56590878daa9e5a0", "averaging/adapter/allreduce.py"),
     f"{_AVERAGER}.run_in_background": ("028dd8b1e9b723d8", "averaging/adapter/allreduce.py"),
@@ -41,6 +42,10 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_MATCHMAKING}._request_join_group": ("df823040a94d1c1d", "averaging/adapter/refusals.py"),
     f"{_AVERAGER}.rpc_aggregate_part": ("06ad9597d5884df8", "averaging/adapter/grace.py"),
     "hivemind.averaging.averager.load_balance_peers": ("32f8b8d0c41d2653", "averaging/adapter/grace.py"),
+    "hivemind.optim.power_sgd_averager.load_balance_peers": ("32f8b8d0c41d2653", "averaging/adapter/grace.py"),
+    f"{_AVERAGER}._aggregate_with_group": ("c297d8a435ce2b1c", "averaging/adapter/grace.py (the bandwidths)"),
+    "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager._aggregate_with_group":
+        ("b11c1e2073f5886f", "averaging/adapter/grace.py (the bandwidths it gathers)"),
     # subclassed by averaging/adapter/grace.py (and so by averaging/adapter/reducer.py)
     f"{_REDUCER}.__init__": ("9ebe1038f511931b", "averaging/adapter/grace.py"),
     f"{_REDUCER}.accumulate_part": ("1d64a8bd77052ac4", "averaging/adapter/grace.py"),

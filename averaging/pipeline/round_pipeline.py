@@ -25,12 +25,29 @@ starts, which its process inherits. The adapter's all-reduce drives the stages; 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
+from dataclasses import dataclass
+from typing import FrozenSet, Iterator, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import torch
 
 S = TypeVar("S", bound="RoundStage")
 _ATTRIBUTE = "_swarmtrain_round_pipeline"
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """What an averager's process learned from one all-reduce (sizes in tensor elements)."""
+
+    group_id: bytes
+    failed_size: int
+    """Of `total_size`, what never arrived (this peer kept its own values there)."""
+    total_size: int
+    left_out_size: int = 0
+    """Of this peer's contribution, what reducers left out because it came after their grace window."""
+    late_reducers: FrozenSet[str] = frozenset()
+    """Reducers (base58 ids) whose replies reached this peer after the grace window (stragglers.py)."""
+    judged_slow: bool = False
+    """Its group found this peer late as a reducer and gave it nothing to reduce."""
 
 
 class RoundStage:
@@ -47,10 +64,8 @@ class RoundStage:
         """Whether this averager must not download state from `peer_id` now (it may still average with it)."""
         return False
 
-    def finish(self, group_id: bytes, failed_size: int, total_size: int, left_out_size: int = 0) -> None:
-        """In the averager's process, after each all-reduce of group `group_id` (sizes in tensor elements): of
-        `total_size`, `failed_size` never arrived, and reducers left `left_out_size` of this peer's contribution
-        out as late (averaging/pipeline/stragglers.py)."""
+    def finish(self, end: "RoundEnd") -> None:
+        """In the averager's process, after each all-reduce."""
 
 
 class RoundPipeline:
@@ -74,9 +89,9 @@ class RoundPipeline:
     def refuses_donor(self, peer_id) -> bool:
         return any(stage.refuses(peer_id) or stage.refuses_donor(peer_id) for stage in self.stages)
 
-    def finish(self, group_id: bytes, failed_size: int, total_size: int, left_out_size: int = 0) -> None:
+    def finish(self, end: "RoundEnd") -> None:
         for stage in self.stages:
-            stage.finish(group_id, failed_size, total_size, left_out_size)
+            stage.finish(end)
 
 
 EMPTY = RoundPipeline()

@@ -9,20 +9,26 @@ Two rules, one on each side of a round:
    and at least `min_seconds`. A sender that misses it is left out of the part and the rest of the round, and
    still receives the round's average when its contribution arrives, marked as left out: it ends the round with
    the same values as its group (canonical replies, averaging/adapter/runner.py), its samples just did not count.
-2. Standing aside (the sender's side, in the training process: ReducerRole). A peer whose contribution was left
-   out is slower than its group (a slow uplink, a busy machine): while it reduces a part, the whole group waits
-   for its replies, which queue behind its own uploads. So it stops reducing parts for others (hivemind gives a
-   peer that declares no bandwidth no part) and only sends and receives; after some rounds in a row whose
-   contributions all arrived in time it reduces again, and each return that ends in lateness again doubles how
-   many it needs next time, so that a peer on the edge does not flap.
+2. Standing aside (who reduces). While a slow peer reduces a part, its whole group waits for its replies, which
+   queue behind its own uploads; a reducer cannot see that itself, its senders can. So every peer notes the
+   reducers whose replies reached it after the same grace window (`late_arrivals`: the others' replies and its own
+   part being the arrivals), and tells its next group, in the bandwidth hivemind gathers from every member for
+   load balancing (a BandwidthClaim: the bandwidth it declares, and the reducers it found late). Every member
+   reads the same claims, so they agree: a member that more than half of the others found late reduces nothing
+   in that round (`judged_bandwidths`). A peer that was given nothing that way, or whose contribution was left
+   out, is slower than its group (a slow link, a busy machine): from its next round on it declares no bandwidth
+   itself (ReducerRole) and only sends and receives; after some rounds in a row in which its contributions
+   arrived in time it reduces again, and a return that ends in lateness doubles how many it needs next time, so
+   that a peer on the edge does not flap.
 
-What neither does: make a slow peer's samples count (its contribution is left out for as long as it is late), or
-speed up a group whose majority is slow (the quorum waits for them).
+What neither does: make a slow peer's samples count (its contribution is left out for as long as it is late),
+speed up a group whose majority is slow (the quorum waits for them), or judge groups of two (neither can be told
+slow; a reducer's share changes nothing of its upload there).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, List, Mapping, Optional, Sequence
 
 from averaging.pipeline.round_pipeline import RoundStage
 
@@ -33,7 +39,7 @@ class GraceWindow(RoundStage):
 
     ratio: float = 1.0
     """How long, as a multiple of the time the quorum took, a reducer waits for the rest; 0 turns it off."""
-    min_seconds: float = 0.25
+    min_seconds: float = 0.1
 
     @property
     def enabled(self) -> bool:
@@ -48,6 +54,43 @@ class GraceWindow(RoundStage):
     def window(self, quorum_seconds: float) -> float:
         """How long to wait for the rest, once the quorum delivered `quorum_seconds` after the part became current."""
         return max(self.min_seconds, self.ratio * quorum_seconds)
+
+
+def late_arrivals(arrived_after_seconds: Mapping[str, float], grace: GraceWindow) -> frozenset:
+    """Of one arrival per member (seconds into the round), those after the grace window that the quorum's opened."""
+    quorum = grace.quorum(len(arrived_after_seconds))
+    if quorum is None:
+        return frozenset()
+    quorum_seconds = sorted(arrived_after_seconds.values())[quorum - 1]
+    deadline = quorum_seconds + grace.window(quorum_seconds)
+    return frozenset(member for member, seconds in arrived_after_seconds.items() if seconds > deadline)
+
+
+def claim(bandwidth: Optional[float], late_reducers: Iterable[str], me: str) -> dict:
+    """What a peer declares as its bandwidth to its next group: its own bandwidth (hivemind's meaning), and the
+    reducers (base58 ids) whose replies it received late in its last round."""
+    return {"bandwidth": bandwidth, "late": sorted(late_reducers), "me": me}
+
+
+def declared(entry) -> Optional[float]:
+    """The bandwidth a member declared (a claim's, or hivemind's plain value)."""
+    return entry.get("bandwidth") if isinstance(entry, dict) else entry
+
+
+def judged_bandwidths(entries: Sequence) -> List[Optional[float]]:
+    """hivemind's bandwidths of a group's members (in its order) from what they declared: in a group of three or
+    more, a member that more than half of the others found late as a reducer gets 0 (no part to reduce)."""
+    bandwidths = [declared(entry) for entry in entries]
+    claims = [entry for entry in entries if isinstance(entry, dict)]
+    if len(entries) < 3:
+        return bandwidths
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            continue
+        reporters = sum(1 for other in claims if other is not entry and entry["me"] in other["late"])
+        if 2 * reporters > len(entries) - 1:
+            bandwidths[index] = 0.0
+    return bandwidths
 
 
 STANDING_ASIDE_BANDWIDTH = 0.0
@@ -65,10 +108,11 @@ class ReducerRole:
         self._on_time = 0  # rounds in a row on time while standing aside
         self._probation = 0  # rounds since it reduces again in which lateness sends it back for twice as long
 
-    def observe(self, left_out: float, whole: bool) -> Optional[bool]:
-        """One round of this peer: the share of its contribution left out, and whether it received the whole
-        average (a round that failed says nothing about its timing). Returns the new `reduces` when it changes."""
-        if left_out > 0:
+    def observe(self, late: bool, whole: bool) -> Optional[bool]:
+        """One round of this peer: whether it was too slow for its group (its contribution left out, or its group
+        gave it nothing to reduce), and whether it received the whole average (a round that failed says nothing
+        about its timing). Returns the new `reduces` when it changes."""
+        if late:
             self._on_time = 0
             if not self.reduces:
                 return None

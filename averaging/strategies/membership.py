@@ -22,6 +22,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from averaging.api import SwarmView
 from averaging.deadlines import Deadlines
+from averaging.pipeline import completeness
+from averaging.pipeline.stragglers import claim
 from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.rounds import RoundKeeper
 from averaging.swarm import progress
@@ -131,10 +133,11 @@ def step_scheduler_to(scheduler, epoch: int) -> None:
 
 def declare_bandwidth(averagers: Iterable, bandwidth: Optional[float]) -> None:
     """What these averagers declare to their next groups as their bandwidth (0: reduce nothing; None: an equal
-    share), read by hivemind as each round is scheduled."""
+    share), with the reducers each found late in its last round: a claim (averaging/pipeline/stragglers.py) that
+    hivemind gathers from every member as each round is scheduled."""
     for averager in averagers:
         if averager is not None:
-            averager.bandwidth = bandwidth
+            averager.bandwidth = claim(bandwidth, completeness.late_reducers(averager), averager.peer_id.to_base58())
 
 
 def join_or_terminate(averagers: Iterable, timeout_seconds: float) -> None:

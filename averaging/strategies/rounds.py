@@ -99,16 +99,17 @@ class RoundKeeper:
     def observe_timing(self, report: RoundReport) -> None:
         """Whether this peer's contribution came too late for its group: it stands aside from reducing, or, on time
         again for long enough, reduces again."""
-        reduces = self.role.observe(report.left_out, whole=report.outcome == "ok")
+        reduces = self.role.observe(report.late, whole=report.outcome == "ok")
         if reduces is None:
             return
         if reduces:
             logger.info("this peer's contributions arrive in time again: it reduces parts of the average again")
         else:
-            logger.warning(f"{100 * report.left_out:.0f}% of this peer's contribution reached its group after the "
-                           f"reducers' grace window and was left out (a slow uplink or a busy machine): this peer "
-                           f"stops reducing parts of the average for others, so that they do not wait for it, and "
-                           f"still receives each round's result")
+            why = (f"{100 * report.left_out:.0f}% of its contribution reached its group after the reducers' grace "
+                   f"window and was left out" if report.left_out else "its group found its replies late")
+            logger.warning(f"this peer is too slow for its group ({why}: a slow link or a busy machine): it stops "
+                           f"reducing parts of the average for others, so that they do not wait for it, and still "
+                           f"receives each round's result")
         self.hooks.reducing_changed(reduces)
 
     def note_apart(self, report: RoundReport, others_present: bool) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hivemind.utils.crypto import RSAPrivateKey
 
+from averaging import adapter
 from averaging.api import AveragingHooks, Replica, SwarmOptimizer
 from averaging.codecs.compression import round_payload_bytes
 from averaging.config import AveragingConfig
@@ -31,6 +32,7 @@ def start_dhts(count: int) -> List[hivemind.DHT]:
 
 
 def make_diloco(config, dht, model, hooks: Optional[AveragingHooks] = None, **options) -> DiLoCoOptimizer:
+    adapter.install()  # as build_swarm_optimizer does: the strategies' averagers rely on it
     return DiLoCoOptimizer(
         config,
         Replica(dht=dht, keys=SwarmKeys.for_run("diloco_math"), params=model.parameters(),

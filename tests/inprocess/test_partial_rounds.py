@@ -21,6 +21,7 @@ from averaging import adapter
 from averaging.api import AveragingHooks, RoundReport, SwarmView
 from averaging.deadlines import AdaptiveDeadlines
 from averaging.pipeline import completeness, round_pipeline
+from averaging.pipeline.round_pipeline import RoundEnd
 from averaging.strategies.rounds import DONOR_CHECK_SECONDS, FRESH_READ_SECONDS, SETTLE_SECONDS, RoundKeeper
 from averaging.swarm.donor import DonorView
 from tests.inprocess.test_averaging import run_in_threads, start_dhts
@@ -107,10 +108,10 @@ def test_several_all_reduces_of_one_round_are_partial_if_any_was():
 
     averager = Averager()
     pipeline = round_pipeline.attach(averager, [], always=[completeness.Completeness()])
-    pipeline.finish(b"round 1", failed_size=10, total_size=40)
-    pipeline.finish(b"round 1", failed_size=0, total_size=20)  # PowerSGD's second phase
+    pipeline.finish(RoundEnd(b"round 1", failed_size=10, total_size=40))
+    pipeline.finish(RoundEnd(b"round 1", failed_size=0, total_size=20))  # PowerSGD's second phase
     assert completeness.missing_fraction(averager) == 0.25
-    pipeline.finish(b"round 2", failed_size=0, total_size=40)
+    pipeline.finish(RoundEnd(b"round 2", failed_size=0, total_size=40))
     assert completeness.missing_fraction(averager) == 0.0
     assert completeness.missing_fraction(object()) == 0.0  # an averager built before the patches
 

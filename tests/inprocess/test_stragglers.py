@@ -1,7 +1,8 @@
-"""A slow sender does not hold its group back (averaging/pipeline/stragglers.py): real averagers on 127.0.0.1.
+"""A slow peer does not hold its group back (averaging/pipeline/stragglers.py): real averagers on 127.0.0.1.
 
-Three averagers in this process, one of whose uplink is slow: its contributions reach the reducers seconds after
-the others'. The two others end their round without it, and it ends the round with exactly their average.
+Three averagers in this process, one of which is slow: its contributions reach the reducers seconds after the
+others' (the two others end their round without it, and it ends the round with exactly their average), or its
+replies as a reducer do (its group finds it late, and gives it nothing to reduce in the next round).
 """
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from typing import AsyncIterator
 import hivemind
 import pytest
 import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 
-from averaging.pipeline import round_pipeline
+from averaging.pipeline import completeness, round_pipeline
 from averaging.pipeline.completeness import Completeness
 from averaging.pipeline.stragglers import GraceWindow
+from averaging.strategies.membership import declare_bandwidth
 from tests.inprocess.test_canonical_replies import assert_bit_identical, distinct_values
 from tests.inprocess.test_robust_allreduce import average_all, averagers
 
@@ -30,7 +34,15 @@ class AveragerWithSlowUplink(hivemind.averaging.DecentralizedAverager):
 
     def __init__(self, *args, **kwargs):
         self.send_delay = mp.RawValue(ctypes.c_double, 0.0)  # before the fork: shared with its process
+        self.reply_delay = mp.RawValue(ctypes.c_double, 0.0)
         super().__init__(*args, **kwargs)
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super().rpc_aggregate_part(stream, context):
+            await asyncio.sleep(self.reply_delay.value)  # as a reducer, its replies come late
+            yield message
 
     def run(self):  # in the averager's own process, which runs this averager alone
         _SEND_DELAY.append(self.send_delay)
@@ -104,3 +116,30 @@ def test_a_slow_sender_is_left_out_of_the_round_and_ends_it_with_its_groups_aver
         assert_bit_identical(group)
         assert torch.allclose(held(group[0]), sum(values) / 3, atol=1e-6)
         assert [left_out_fraction(averager) for averager in group] == [0.0, 0.0, 0.0]
+
+
+def judged_slow(averager) -> bool:
+    return round_pipeline.of(averager).stage(Completeness).judged_slow()
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_reducer_is_found_late_by_its_group_and_reduces_nothing_in_the_next_round():
+    values = distinct_values(3)
+    with averagers([value.clone() for value in values], prefix="slow_reducer", averager_class=AveragerWithSlowUplink,
+                   stages=[GraceWindow(ratio=0.1, min_seconds=0.25)]) as group:
+        slow = group[2]
+        slow.reply_delay.value = 2.0  # each of its replies comes 2 s late: the others wait for its part
+        assert all(isinstance(result, dict) for result in average_all(group))
+        assert_bit_identical(group)
+        assert torch.allclose(held(group[0]), sum(values) / 3, atol=1e-6)  # its contribution came in time
+        slow_id = slow.peer_id.to_base58()
+        assert [completeness.late_reducers(averager) for averager in group[:2]] == [{slow_id}, {slow_id}]
+
+        # each declares what it found (as the strategies do after a round): both others found the slow one late
+        declare_bandwidth(group, None)
+        set_values(group, values)
+        assert all(isinstance(result, dict) for result in average_all(group))
+        assert_bit_identical(group)
+        assert torch.allclose(held(group[0]), sum(values) / 3, atol=1e-6)  # it still contributes
+        assert [judged_slow(averager) for averager in group] == [False, False, True]
+        assert [completeness.late_reducers(averager) for averager in group[:2]] == [set(), set()]

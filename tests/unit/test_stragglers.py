@@ -10,8 +10,15 @@ import asyncio
 import pytest
 import torch
 
-from averaging.adapter.grace import GracefulPartReducer, load_balance_peers_with_a_reducer
-from averaging.pipeline.stragglers import STANDING_ASIDE_BANDWIDTH, GraceWindow, ReducerRole
+from averaging.adapter.grace import GracefulPartReducer, load_balance_peers_judging_claims
+from averaging.pipeline.stragglers import (
+    STANDING_ASIDE_BANDWIDTH,
+    GraceWindow,
+    ReducerRole,
+    claim,
+    judged_bandwidths,
+    late_arrivals,
+)
 
 WINDOW = GraceWindow(ratio=1.0, min_seconds=0.05)
 
@@ -94,23 +101,43 @@ def test_a_latecomer_that_then_fails_is_not_counted_out_twice():
     assert reducer.left_out == {3} and reducer.finished.is_set()
 
 
-def test_a_group_of_peers_all_standing_aside_is_still_split_evenly():
-    assert load_balance_peers_with_a_reducer(100, [0.0, 0.0]) == (50, 50)
-    assert load_balance_peers_with_a_reducer(100, [None, STANDING_ASIDE_BANDWIDTH, None]) == (50, 0, 50)
+def test_replies_after_the_window_are_late_and_only_in_groups_of_three_or_more():
+    assert late_arrivals({"a": 0.0, "b": 0.04, "c": 0.6}, WINDOW) == {"c"}  # quorum 0.04 s, window to 0.09 s
+    assert late_arrivals({"a": 0.0, "b": 0.5, "c": 0.9}, WINDOW) == set()  # the quorum took long: so may the rest
+    assert late_arrivals({"a": 0.0, "b": 0.2, "c": 0.3, "d": 9.0}, WINDOW) == {"d"}
+    assert late_arrivals({"a": 0.0, "b": 9.0}, WINDOW) == set()
+
+
+def test_a_member_most_others_found_late_gets_nothing_to_reduce_and_every_member_computes_the_same():
+    fast_a, fast_b, slow = claim(None, ["slow"], "a"), claim(None, ["slow"], "b"), claim(None, ["a"], "slow")
+    assert judged_bandwidths([fast_a, slow, fast_b]) == [None, 0.0, None]
+    # one report is not a majority of two others: the slow peer's own view of a fast one changes nothing
+    assert judged_bandwidths([fast_a, claim(None, [], "slow"), claim(None, [], "b")]) == [None, None, None]
+    # a peer standing aside declares 0 itself; plain values (hivemind's own averagers) pass through
+    assert judged_bandwidths([claim(0.0, [], "x"), 5.0, None]) == [0.0, 5.0, None]
+    # groups of two are never judged
+    assert judged_bandwidths([claim(None, ["b"], "a"), claim(None, ["a"], "b")]) == [None, None]
+
+
+def test_load_balancing_gives_a_judged_member_no_part_and_a_group_all_standing_aside_an_even_split():
+    fast_a, fast_b, slow = claim(None, ["slow"], "a"), claim(None, ["slow"], "b"), claim(None, [], "slow")
+    assert load_balance_peers_judging_claims(100, [fast_a, slow, fast_b]) == (50, 0, 50)
+    assert load_balance_peers_judging_claims(100, [0.0, 0.0]) == (50, 50)
+    assert load_balance_peers_judging_claims(100, [None, STANDING_ASIDE_BANDWIDTH, None]) == (50, 0, 50)
 
 
 def test_a_late_peer_stands_aside_until_it_is_in_time_for_long_enough_and_longer_after_a_relapse():
     role = ReducerRole(on_time_rounds_to_return=2, most_rounds_to_return=8)
-    assert role.observe(left_out=0.0, whole=True) is None and role.reduces
-    assert role.observe(left_out=0.4, whole=True) is False and role.bandwidth == STANDING_ASIDE_BANDWIDTH
-    assert role.observe(left_out=0.0, whole=False) is None  # a failed round says nothing of its timing
-    assert role.observe(left_out=0.0, whole=True) is None
-    assert role.observe(left_out=0.0, whole=True) is True and role.bandwidth is None
+    assert role.observe(late=False, whole=True) is None and role.reduces
+    assert role.observe(late=True, whole=True) is False and role.bandwidth == STANDING_ASIDE_BANDWIDTH
+    assert role.observe(late=False, whole=False) is None  # a failed round says nothing of its timing
+    assert role.observe(late=False, whole=True) is None
+    assert role.observe(late=False, whole=True) is True and role.bandwidth is None
     # late again right after coming back: it waits twice as long this time
-    assert role.observe(left_out=0.1, whole=True) is False
-    assert [role.observe(left_out=0.0, whole=True) for _ in range(4)] == [None, None, None, True]
+    assert role.observe(late=True, whole=True) is False
+    assert [role.observe(late=False, whole=True) for _ in range(4)] == [None, None, None, True]
     # in time for as long as it waited: the next relapse does not lengthen the wait
     for _ in range(4):
-        assert role.observe(left_out=0.0, whole=True) is None
-    assert role.observe(left_out=0.2, whole=True) is False
-    assert [role.observe(left_out=0.0, whole=True) for _ in range(4)] == [None, None, None, True]
+        assert role.observe(late=False, whole=True) is None
+    assert role.observe(late=True, whole=True) is False
+    assert [role.observe(late=False, whole=True) for _ in range(4)] == [None, None, None, True]
