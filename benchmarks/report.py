@@ -15,7 +15,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common
 
-ORDER = ("local_overhead", "allreduce_link", "compression", "uplink", "offload", "scaling", "one_state")
+ORDER = ("local_overhead", "allreduce_link", "compression", "uplink", "offload", "scaling", "one_state", "straggler")
 
 
 def _f(value, digits: int = 3, suffix: str = "") -> str:
@@ -176,6 +176,22 @@ def one_state(doc: dict) -> str:
             f"{_f(r['digest_seconds']['median'] * 1e3, 1)} ms, a step {_f(r['step_seconds']['median'] * 1e3, 0)} ms. "
             f"Share of an epoch: {shares} (goal under {r['goal']['epoch_fraction_max']:.0%}: "
             f"{'met' if r['goal']['meets'] else 'not met'}).")
+
+
+def straggler(doc: dict) -> str:
+    r = doc["results"]
+    lines = ["| setup | round | fast peers' epochs/min | slow peer's | late rounds | stood aside | max parameter "
+             "difference |", "|---|---|---|---|---|---|---|"]
+    for row in r["runs"]:
+        lines.append(f"| {row['setup']} | {row['round']} | {row.get('fast_epochs_per_minute')} | "
+                     f"{row.get('slow_epochs_per_minute', '-')} | {row.get('late_rounds', '-')} | "
+                     f"{row.get('stood_aside', '-')} | {row.get('max_parameter_difference')} |")
+    ratios = "; ".join(f"{name} {_f(value['median'])} ({_f(value['min'], 2)}–{_f(value['max'], 2)})"
+                       for name, value in r["ratios"].items())
+    met = {True: "met", False: "not met", None: "not measured"}[r["goal"]["met"]]
+    return (f"`{r['task']}`, one of three peers on a {r['slow_rate']} link, {r['measure_seconds']:.0f} s windows. "
+            f"Ratios of the fast peers' epoch rates: {ratios} (goal slow-3/fast-2 ≥ {r['goal']['min_ratio']}: "
+            f"{met}).\n\n" + "\n".join(lines))
 
 
 def main() -> int:

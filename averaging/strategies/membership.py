@@ -105,8 +105,10 @@ class SharesState(ReportsProgress):
             agreement.start(select, expected_peers=lambda: self.tracker.global_progress.num_peers)
 
     def _record_state(self) -> None:
-        """The state of this epoch is final: digest and publish it."""
-        if self.agreement is not None:
+        """The state of this epoch is final: digest and publish it. Not where its round left this peer apart: it
+        knows its state is not the swarm's and downloads, and its digest must not count as a vote (two peers, one
+        of whose last rounds failed, would tie, and the smaller id's state, maybe the failed one's, would win)."""
+        if self.agreement is not None and not self.rounds.apart:
             self.agreement.record(self.local_epoch, self.state_averager.served_digest(self.agreement.select))
 
     def _close_agreement(self) -> None:
