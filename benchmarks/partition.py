@@ -18,7 +18,8 @@ a router between two sites fails), and restored. The peers' events files say the
   was asked to end (None: there was none), and ``quiet_seconds_before_end``, how long none came after it: the
   behind half adopting the other's state, and how settled the swarm was after;
 - then every peer ends at one epoch (the harness's end_soon), and ``max_parameter_difference`` compares their
-  final checkpoints with peer 0's: 0 means one swarm, one state.
+  final checkpoints with peer 0's (``parameter_differences``, one per other peer): 0 means one swarm, one state;
+  ``excluded``: the peers each one excluded (an honest peer excluded by another keeps the halves apart).
 
 Needs root (network namespaces); without it the run is skipped, saying why. Usage (from the repository root)::
 
@@ -125,7 +126,8 @@ async def one_run(bridge: netns.Bridge, work: Path, cut_seconds: float, *, warmu
             swarm.end_soon(peers)
             row["exit_codes"] = await swarm.all_exited(timeout=exit_timeout)
             states = [peer.model_state() for peer in peers]
-            row["max_parameter_difference"] = max(max_parameter_difference(states[0], state) for state in states[1:])
+            row["parameter_differences"] = [max_parameter_difference(states[0], state) for state in states[1:]]
+            row["max_parameter_difference"] = max(row["parameter_differences"])
         except (PeerFailed, TimeoutError, asyncio.TimeoutError) as e:
             if raise_errors:
                 raise
@@ -136,6 +138,7 @@ async def one_run(bridge: netns.Bridge, work: Path, cut_seconds: float, *, warmu
         row["final_epochs"] = [peer.epoch for peer in swarm.training_peers]
         row["peer_ids"] = [_peer_id(peer) for peer in swarm.training_peers]
         row["split_logged"] = ["the swarm looks split" in peer.log() for peer in swarm.training_peers]
+        row["excluded"] = [[event.peer_id for event in peer if event.event == "excluded"] for peer in events]
     if cut_at is not None and healed_at is not None:
         row.update(measure(events, cut_at, healed_at, ended_at or time.time()))
     return row

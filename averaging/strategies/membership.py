@@ -66,7 +66,7 @@ class SharesState(ReportsProgress):
         return self.rounds.apart or (self.agreement is not None and self.agreement.apart())
 
     def await_state_comparison(self, timeout_seconds: float) -> None:
-        if self.agreement is not None:
+        if self.agreement is not None and not self.rounds.apart:  # apart by its rounds, it downloads anyway
             self.agreement.await_comparison(self.local_epoch, timeout_seconds)
 
     @property
@@ -78,12 +78,14 @@ class SharesState(ReportsProgress):
 
     def offer_final_state(self) -> bool:
         self.wait_for_background_updates()
+        self._record_state(reference=True)
         return offer_state(self.donor_averagers, self.local_epoch)
 
     def _donors(self) -> DonorView:
         return donor_view(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
 
     def _become_reference(self) -> None:
+        self._record_state(reference=True)
         declare_whole(self.donor_averagers, self.local_epoch)
 
     def _resync_due(self) -> bool:
@@ -104,11 +106,13 @@ class SharesState(ReportsProgress):
             self.state_averager.check_download = agreement.check_download
             agreement.start(select, expected_peers=lambda: self.tracker.global_progress.num_peers)
 
-    def _record_state(self) -> None:
+    def _record_state(self, reference: bool = False) -> None:
         """The state of this epoch is final: digest and publish it. Not where its round left this peer apart: it
         knows its state is not the swarm's and downloads, and its digest must not count as a vote (two peers, one
-        of whose last rounds failed, would tie, and the smaller id's state, maybe the failed one's, would win)."""
-        if self.agreement is not None and not self.rounds.apart:
+        of whose last rounds failed, would tie, and the smaller id's state, maybe the failed one's, would win);
+        unless its state is to be the `reference` all the same (every peer's round went wrong alike), which the
+        others then download and check against this digest."""
+        if self.agreement is not None and (reference or not self.rounds.apart):
             self.agreement.record(self.local_epoch, self.state_averager.served_digest(self.agreement.select))
 
     def _close_agreement(self) -> None:

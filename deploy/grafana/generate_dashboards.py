@@ -281,6 +281,12 @@ def peer_detail() -> Dict:
                        target(f"increase(peer_exclusions_total{{{one}}}[{RATE}])", "peers excluded"),
                        target(f"increase(peer_checkpoint_failures_total{{{one}}}[{RATE}])", "checkpoint failures"),
                    ]),
+        timeseries("Stragglers", "Rounds in which this peer's contribution came after its group's grace window and "
+                   "was left out (a slow link or a busy machine; it still got the round's result), and whether it "
+                   "reduces parts of the average for its groups (1) or stands aside, too slow for them (0).", [
+                       target(f"increase(peer_late_contributions_total{{{one}}}[{RATE}])", "late contributions"),
+                       target(f"peer_averaging_reducing{{{one}}}", "reduces for others"),
+                   ]),
         table("Peer info", "Software version, device, averaging strategy and compression.",
               [target(f"peer_info{{{one}}}", instant=True)],
               [hide_columns("Time", "Value", "__name__", "job")]),
