@@ -91,8 +91,7 @@ async def run_allreduce_inplace_through_pipeline(self: DecentralizedAverager, te
             late_reducers=late_arrivals(runner.replied_after_seconds, grace) if grace is not None else frozenset(),
             judged_slow=judged_slow(self, group_info, kwargs.get("peer_fractions")),
         ))
-        if runner.tensor_part_reducer.left_out:
-            keep_for_latecomers(self, group_id, runner, self._allreduce_timeout or LATECOMERS_SECONDS)
+        keep_for_latecomers(self, group_id, runner, self._allreduce_timeout or LATECOMERS_SECONDS)
     else:
         async for _ in runner:
             raise ValueError("aux peers should not receive averaged tensors")

@@ -4,9 +4,10 @@
   part waits for the rest only up to the grace window, then leaves the latecomers out of the part and the rest of
   the round. A latecomer is not a failed sender: when its parts arrive, it receives each part's average (the one
   its group holds), instead of nothing. RobustPartReducer (reducer.py) builds on it.
-- A runner whose own round is over keeps serving its latecomers for a while (`keep_for_latecomers`): upstream
-  forgets a group as soon as its round ends and answers its late senders' first message with an error, which
-  would leave a slow peer with its own values for that part, apart from its group.
+- A runner whose own round is over keeps serving its latecomers (`keep_for_latecomers`) until each has received
+  every part's average, or for an all-reduce timeout at most: upstream forgets a group as soon as its round ends and
+  answers its late senders' first message with an error, which would leave a slow peer with its own values for that
+  part, apart from its group.
 - Load balancing reads the bandwidth every member declared as a claim (averaging/pipeline/stragglers.py): a member
   that more than half of the others found late as a reducer gets no part, and a group never ends up with no
   reducer at all (all of them standing aside).
@@ -163,7 +164,9 @@ plain_rpc_aggregate_part = DecentralizedAverager.rpc_aggregate_part
 
 
 def keep_for_latecomers(averager: DecentralizedAverager, group_id: bytes, runner, seconds: float) -> None:
-    """After `runner`'s round ended here: its left-out senders may still connect for `seconds`."""
+    """After `runner`'s round ended here: its left-out senders may still connect, for `seconds` at most."""
+    if not runner.awaits_latecomers():
+        return
     runners = averager.__dict__.setdefault(LATECOMERS_ATTRIBUTE, {})
     runners[group_id] = runner
     asyncio.get_event_loop().call_later(seconds, runners.pop, group_id, None)
@@ -174,10 +177,13 @@ async def rpc_aggregate_part_serving_latecomers(
 ) -> AsyncIterator[averaging_pb2.AveragingData]:  # hivemind's servicer reads these annotations
     request = await anext(stream)
     stream = achain(as_aiter(request), stream)
-    runner = self.__dict__.get(LATECOMERS_ATTRIBUTE, {}).get(request.group_id)
+    runners = self.__dict__.get(LATECOMERS_ATTRIBUTE, {})
+    runner = runners.get(request.group_id)
     if runner is not None and request.group_id not in self._running_groups:
         async for message in runner.rpc_aggregate_part(stream, context):
             yield message
+        if not runner.awaits_latecomers():  # the last one has its averages: the round's tensors can go
+            runners.pop(request.group_id, None)
         return
     async for message in plain_rpc_aggregate_part(self, stream, context):
         yield message

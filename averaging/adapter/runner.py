@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Dict, Optional, Sequence
+from typing import AsyncIterator, Dict, Optional, Sequence, Set
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -59,6 +59,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         self.left_out_size = 0  # elements of this peer's contribution that reducers left out as late
         self.replied_after_seconds: Dict[str, float] = {}  # reducer (base58) -> when its last reply came
         self._started_at = time.monotonic()
+        self._served: Set[int] = set()  # senders that received every part's average
         self._replies: Dict[int, asyncio.Future] = {}  # part index -> its average, serialized once
         self._reply_codecs: Dict[int, int] = {}  # part index -> the codec its senders used
         own_index = self.ordered_peer_ids.index(self.peer_id)
@@ -78,6 +79,10 @@ class CanonicalAllReduceRunner(AllReduceRunner):
 
     def make_reducer(self, part_shapes, grace: Optional[GraceWindow]) -> GracefulPartReducer:
         return GracefulPartReducer(part_shapes, len(self.sender_peer_ids), grace)
+
+    def awaits_latecomers(self) -> bool:
+        """Whether a sender left out as late has yet to receive every part's average."""
+        return bool(self.tensor_part_reducer.left_out - self._served)
 
     def serves_latecomer(self, peer_id) -> bool:
         """Whether `peer_id` is a sender this runner left out as late and still answers after its round ended."""
@@ -177,3 +182,5 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+            else:
+                self._served.add(sender_index)

@@ -13,7 +13,7 @@ Two rules, one on each side of a round:
    queue behind its own uploads; a reducer cannot see that itself, its senders can. So every peer notes the
    reducers whose replies reached it after the same grace window (`late_arrivals`: the others' replies and its own
    part being the arrivals), and tells its next group, in the bandwidth hivemind gathers from every member for
-   load balancing (a BandwidthClaim: the bandwidth it declares, and the reducers it found late). Every member
+   load balancing (a `claim`: the bandwidth it declares, and the reducers it found late). Every member
    reads the same claims, so they agree: a member that more than half of the others found late reduces nothing
    in that round (`judged_bandwidths`). A peer that was given nothing that way, or whose contribution was left
    out, is slower than its group (a slow link, a busy machine): from its next round on it declares no bandwidth
