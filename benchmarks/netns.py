@@ -17,6 +17,7 @@ netem (delay, loss) is not used: only rate limits. Nothing here runs unless the 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -84,6 +85,16 @@ def remove_stale() -> list:
             _run("ip", "netns", "del", name, check=False)
             removed.append(name)
     return removed
+
+
+async def start_peers(swarm, bridge: "Bridge", count: int, timeout: float) -> list:
+    """`count` peers of a harness Swarm (peer/testing/), peer i in namespace i on its bridge address, all ready (the
+    first before the others join through it)."""
+    peers = [await swarm.add("--host-maddrs", f"/ip4/{bridge.ip(index)}/tcp/0", name=f"peer-{index}",
+                             namespace=bridge.namespaces[index], ready=index == 0, timeout=timeout)
+             for index in range(count)]
+    await asyncio.gather(*(peer.ready(timeout) for peer in peers))
+    return peers
 
 
 def _shape(namespace: str, device: str, rate: Optional[str]) -> None:

@@ -105,10 +105,7 @@ async def one_run(bridge: netns.Bridge, work: Path, cut_seconds: float, *, warmu
     async with Swarm(work, *TASK_ARGS, "--max-epochs", "5000", fast=True) as swarm:
         swarm.args += swarm.ends_on_request()
         try:
-            peers = [await swarm.add("--host-maddrs", f"/ip4/{bridge.ip(index)}/tcp/0", name=f"peer-{index}",
-                                     namespace=bridge.namespaces[index], ready=index == 0, timeout=start_timeout)
-                     for index in range(PEERS)]
-            await asyncio.gather(*(peer.ready(start_timeout) for peer in peers))
+            peers = await netns.start_peers(swarm, bridge, PEERS, start_timeout)
             await swarm.all_reached(warmup_epochs, timeout=start_timeout)
             bridge.cut(*HALVES)
             cut_at = time.time()

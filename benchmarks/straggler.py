@@ -78,10 +78,7 @@ async def one_run(bridge: netns.Bridge, work: Path, setup: str, slow_rate: str, 
                      fast=True) as swarm:
         swarm.args += swarm.ends_on_request()
         try:
-            peers = [await swarm.add("--host-maddrs", f"/ip4/{bridge.ip(index)}/tcp/0", name=f"peer-{index}",
-                                     namespace=bridge.namespaces[index], ready=index == 0, timeout=start_timeout)
-                     for index in range(count)]
-            await asyncio.gather(*(peer.ready(start_timeout) for peer in peers))
+            peers = await netns.start_peers(swarm, bridge, count, start_timeout)
             await swarm.all_reached(warmup_epochs, timeout=start_timeout)
             since = time.time()
             await asyncio.sleep(measure_seconds)
