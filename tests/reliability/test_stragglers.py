@@ -2,8 +2,8 @@
 
 Three real peers in network namespaces (benchmarks/netns.py), one of them on a 2 Mbit/s link both ways; the scenario
 is benchmarks/straggler.py's, which measures the epoch rate of the fast peers with and without it. Here: the slow
-peer's contributions reach its group late, it stands aside from reducing, and all three end with one state. Its
-measurements are checked too, on made-up events.
+peer trains in step with the others and all three end with one state. Its measurements are checked too, on
+made-up events.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from peer.telemetry.events import EpochEnded, ReducingChanged, RoundEnded
 
 
 @pytest.mark.timeout(360)  # about 55 s alone; peers crawl when the suite runs beside it
-async def test_a_peer_on_a_slow_link_stands_aside_and_ends_with_the_swarms_state(tmp_path: Path):
+async def test_a_peer_on_a_slow_link_trains_in_step_and_ends_with_the_swarms_state(tmp_path: Path):
     reason = netns.unavailable_reason()
     if reason:
         pytest.skip(reason.split(";")[0])
@@ -25,11 +25,13 @@ async def test_a_peer_on_a_slow_link_stands_aside_and_ends_with_the_swarms_state
         row = await one_run(bridge, tmp_path, "slow-3", "2mbit", measure_seconds=15.0, raise_errors=True)
 
     assert row["exit_codes"] == [0, 0, 0], row
-    # its contributions came after the fast peers' grace window, and it stopped reducing parts for them
-    assert row["late_rounds"] > 0 and row["stood_aside"], row
-    # one swarm, one state: it took every round's result, bit for bit
+    # one swarm, one state: whether its contributions came after the others' grace window (left out, and it took
+    # the round's result from reducers whose own rounds were over) or in time, it ends with their state, bit for bit
     assert row["max_parameter_difference"] == 0.0, row
     assert row["fast_epochs_per_minute"] > 0 and row["slow_epochs_per_minute"] > 0, row
+    # Whether it was late is timing: alone it was left out of every round and stood aside; under suite load the
+    # fast peers were once as late as it was. tests/inprocess/test_stragglers.py checks that part with delays far
+    # past any window.
 
 
 def _epoch(epoch: int, at: float) -> EpochEnded:
