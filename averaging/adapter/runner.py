@@ -146,11 +146,12 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             ):
                 if msg.weight == LEFT_OUT:
                     self.left_out_size += average.numel()
+                if part_index + 1 == expected_parts:  # noted before the last part can end the round, not after
+                    self._replied(peer_id)  # the stream closes (the round's end may come first, and miss it)
                 self.tensor_part_container.register_processed_part(peer_index, part_index, average)
                 part_index += 1
             if part_index != expected_parts:
                 raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected_parts}")
-            self._replied(peer_id)
         except BaseException as e:
             if isinstance(e, Exception):
                 logger.debug(f"Caught {repr(e)} when communicating to {peer_id}", exc_info=True)

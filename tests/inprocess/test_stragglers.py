@@ -43,6 +43,8 @@ class AveragerWithSlowUplink(hivemind.averaging.DecentralizedAverager):
         async for message in super().rpc_aggregate_part(stream, context):
             await asyncio.sleep(self.reply_delay.value)  # as a reducer, its replies come late
             yield message
+        if self.reply_delay.value:  # and its stream closes a while after its last reply (a sender's round may end
+            await asyncio.sleep(1.0)  # first: it must have noted when that reply came all the same)
 
     def run(self):  # in the averager's own process, which runs this averager alone
         _SEND_DELAY.append(self.send_delay)
