@@ -2,6 +2,12 @@
 
 The first signal only sets a flag: the training loop finishes its step, checkpoints and
 shuts down in order. A second signal kills the children and exits at once.
+
+The handler itself does nothing but write the signal's number into a pipe. Python runs a handler in the main
+thread between any two bytecodes, inside whatever that thread holds: logging from there (through rich's console,
+whose lock the main thread may hold while rich's refresh thread holds the bar's and waits for it) or setting an
+Event (whose lock the main thread holds inside Event.wait) can deadlock the peer for good; seen: a Ctrl+C that
+froze a peer at a terminal. A thread of its own reads the pipe and does the rest.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ class StopRequest:
         self._event = threading.Event()
         self.signal_name: str | None = None
         self.first_signal_does = first_signal_does
+        self._signal_pipe: tuple[int, int] | None = None  # (read end, write end), once handlers are installed
 
     def __bool__(self) -> bool:
         return self._event.is_set()
@@ -50,11 +57,26 @@ class StopRequest:
         return self._event.wait(timeout)
 
     def install_handlers(self) -> None:
+        """Handle SIGINT and SIGTERM from now on (again: hivemind sets SIGINT to "ignore" when it starts)."""
+        if self._signal_pipe is None:
+            self._signal_pipe = os.pipe()
+            os.set_blocking(self._signal_pipe[1], False)  # a full pipe drops a signal rather than block the handler
+            threading.Thread(target=self._watch_signals, name="signal-watch", daemon=True).start()
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        name = signal.Signals(signum).name
+        try:
+            os.write(self._signal_pipe[1], bytes([signum]))
+        except BlockingIOError:  # a hundred signals are already waiting: this one adds nothing
+            pass
+
+    def _watch_signals(self) -> None:
+        while True:
+            for signum in os.read(self._signal_pipe[0], 64):
+                self._on_signal(signal.Signals(signum).name)
+
+    def _on_signal(self, name: str) -> None:
         if self:
             logger.warning(f"second {name}: exiting now, without the rest of the shutdown")
             kill_descendants()

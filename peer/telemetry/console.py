@@ -8,9 +8,10 @@ only the per-epoch lines are printed, and log records go to stderr as plain line
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -30,11 +31,25 @@ def _duration(seconds: Optional[float]) -> str:
 
 
 class ConsoleLogHandler(logging.Handler):
-    """Log records printed by the display's console, above its live bar."""
+    """Log records printed by the display's console, above its live bar.
 
-    def __init__(self, console: Console):
+    In a process forked from the peer (hivemind's DHT and averagers, data workers), records go to the handlers this
+    one replaced instead: the fork copied rich's locks as the peer's threads held them at that moment, and a child
+    that waits for a lock whose holder it does not have waits for ever (seen: an averager that never started).
+    """
+
+    def __init__(self, console: Console, in_children: Sequence[logging.Handler] = ()):
         super().__init__()
         self.console = console
+        self.in_children = list(in_children)
+        self._pid = os.getpid()
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if os.getpid() != self._pid:
+            for handler in self.in_children:
+                handler.handle(record)
+            return True
+        return super().handle(record)
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -69,7 +84,7 @@ class ProgressDisplay:
         if self._progress is None or self._log_handler is not None:
             return
         root = logging.getLogger()
-        self._log_handler = ConsoleLogHandler(self._progress.console)
+        self._log_handler = ConsoleLogHandler(self._progress.console, in_children=root.handlers)
         if root.handlers:  # keep the format and filters that setup_logging chose
             self._log_handler.setFormatter(root.handlers[0].formatter)
             for log_filter in root.handlers[0].filters:
