@@ -11,9 +11,10 @@ import logging
 import os
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 from rich.console import Console
+from rich.file_proxy import FileProxy
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 
@@ -33,22 +34,19 @@ def _duration(seconds: Optional[float]) -> str:
 class ConsoleLogHandler(logging.Handler):
     """Log records printed by the display's console, above its live bar.
 
-    In a process forked from the peer (hivemind's DHT and averagers, data workers), records go to the handlers this
-    one replaced instead: the fork copied rich's locks as the peer's threads held them at that moment, and a child
-    that waits for a lock whose holder it does not have waits for ever (seen: an averager that never started).
+    In a process forked from the peer (hivemind's DHT and averagers, data workers), records are written to stderr
+    directly: the fork copied rich's locks as the peer's threads held them at that moment, and a child that waits
+    for a lock whose holder it does not have waits for ever (seen: an averager that never started).
     """
 
-    def __init__(self, console: Console, in_children: Sequence[logging.Handler] = ()):
+    def __init__(self, console: Console):
         super().__init__()
         self.console = console
-        self.in_children = list(in_children)
         self._pid = os.getpid()
 
     def handle(self, record: logging.LogRecord) -> bool:
         if os.getpid() != self._pid:
-            for handler in self.in_children:
-                handler.handle(record)
-            return True
+            return self._write_from_child(record)
         return super().handle(record)
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -56,6 +54,38 @@ class ConsoleLogHandler(logging.Handler):
             self.console.print(self.format(record), highlight=False, markup=False, soft_wrap=True)
         except Exception:  # logging must never take the peer down
             self.handleError(record)
+
+    def _write_from_child(self, record: logging.LogRecord) -> bool:
+        if not self.filter(record):
+            return False
+        try:
+            # on the bar's terminal, a line of its own over the bar's (the peer draws the bar again below it)
+            stderr = sys.__stderr__
+            start = "\r\x1b[2K" if stderr.isatty() else ""
+            stderr.write(f"{start}{self.format(record)}\n")
+            stderr.flush()
+        except Exception:
+            self.handleError(record)
+        return True
+
+
+_streams_hook_registered = False
+
+
+def _own_streams_in_forked_children() -> None:
+    """While the bar is drawn, rich has stdout and stderr print through its console (and its locks): a process
+    forked from the peer writes to its own streams instead (a warning printed there would wait for ever)."""
+    global _streams_hook_registered
+    if not _streams_hook_registered:
+        os.register_at_fork(after_in_child=_own_streams)
+        _streams_hook_registered = True
+
+
+def _own_streams() -> None:
+    if isinstance(sys.stdout, FileProxy):
+        sys.stdout = sys.__stdout__
+    if isinstance(sys.stderr, FileProxy):
+        sys.stderr = sys.__stderr__
 
 
 class ProgressDisplay:
@@ -77,6 +107,7 @@ class ProgressDisplay:
                 transient=True,
             )
             self._bar = self._progress.add_task("swarm", total=target_batch_size, epoch=0, rate="?", eta="?")
+            _own_streams_in_forked_children()
             self._progress.start()
 
     def route_logs(self) -> None:
@@ -84,7 +115,7 @@ class ProgressDisplay:
         if self._progress is None or self._log_handler is not None:
             return
         root = logging.getLogger()
-        self._log_handler = ConsoleLogHandler(self._progress.console, in_children=root.handlers)
+        self._log_handler = ConsoleLogHandler(self._progress.console)
         if root.handlers:  # keep the format and filters that setup_logging chose
             self._log_handler.setFormatter(root.handlers[0].formatter)
             for log_filter in root.handlers[0].filters:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,10 +23,11 @@ def a_terminal(monkeypatch):
 
 @pytest.fixture
 def root_logs_to(tmp_path: Path):
-    """The root logger writing plain lines to a file, as setup_logging has it write to stderr."""
+    """The root logger writing plain lines to a file (setup_logging has them go to stderr)."""
     root, path = logging.getLogger(), tmp_path / "stderr.log"
     saved = list(root.handlers)
     handler = logging.StreamHandler(path.open("a"))
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     root.handlers[:] = [handler]
     yield path
     root.handlers[:] = saved
@@ -45,7 +47,7 @@ def wait_for_exit(pid: int, timeout: float) -> int:
 
 
 @pytest.mark.timeout(60)
-def test_a_process_forked_while_the_bar_is_drawn_logs_to_stderr_without_waiting_for_the_bar(root_logs_to: Path):
+def test_a_process_forked_while_the_bar_is_drawn_logs_to_stderr_without_waiting_for_the_bar(root_logs_to, capfd):
     display = ProgressDisplay(32, interactive=True)
     display.route_logs()
     drawing, forked = threading.Event(), threading.Event()
@@ -63,6 +65,7 @@ def test_a_process_forked_while_the_bar_is_drawn_logs_to_stderr_without_waiting_
         if pid == 0:  # the child has the lock as it was: held, by a thread it does not have
             try:
                 logging.getLogger("child").warning("a record from the forked process")
+                print("a line printed to stderr", file=sys.stderr, flush=True)  # as Python's warnings are
             finally:
                 os._exit(0)
         forked.set()
@@ -71,7 +74,8 @@ def test_a_process_forked_while_the_bar_is_drawn_logs_to_stderr_without_waiting_
         forked.set()
         drawer.join(30)
         display.close()
-    assert "a record from the forked process" in root_logs_to.read_text()
+    err = capfd.readouterr().err  # the process's own stderr, not the bar's console: in the peer, the terminal
+    assert "WARNING child: a record from the forked process\n" in err and "a line printed to stderr\n" in err
 
 
 def test_records_of_the_peer_itself_go_above_the_bar(root_logs_to: Path, capsys):
