@@ -27,7 +27,7 @@ def root_logs_to(tmp_path: Path):
     root, path = logging.getLogger(), tmp_path / "stderr.log"
     saved = list(root.handlers)
     handler = logging.StreamHandler(path.open("a"))
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     root.handlers[:] = [handler]
     yield path
     root.handlers[:] = saved
@@ -75,7 +75,7 @@ def test_a_process_forked_while_the_bar_is_drawn_logs_to_stderr_without_waiting_
         drawer.join(30)
         display.close()
     err = capfd.readouterr().err  # the process's own stderr, not the bar's console: in the peer, the terminal
-    assert "WARNING child: a record from the forked process\n" in err and "a line printed to stderr\n" in err
+    assert "child: a record from the forked process\n" in err and "a line printed to stderr\n" in err
 
 
 def test_records_of_the_peer_itself_go_above_the_bar(root_logs_to: Path, capsys):
