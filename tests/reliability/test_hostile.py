@@ -1,13 +1,14 @@
 """Hostile peers against a 3-peer honest swarm: one attacker at a time joins (4 peers), its contributions are
-dropped at the reducers and it is excluded; the honest peers train on, end equal, with a falling loss.
-After them, while the honest peers train on, a peer whose clock runs an hour ahead joins, and says so."""
+dropped at the reducers and at least two of the three honest peers exclude it; the honest peers train on, end
+equal, with a falling loss. After them, while the honest peers train on, a peer whose clock runs an hour ahead
+joins, and says so."""
 from __future__ import annotations
 
 import asyncio
 import json
 import re
 from pathlib import Path
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import pytest
 import torch
@@ -50,6 +51,28 @@ async def start_waiting(swarm: Swarm, name: str, *args: str, plan: Optional[Faul
     return Waiting(peer, turn)
 
 
+async def excluded_by_a_majority(honest: List[Peer], attacker_id: str, *, timeout: float, what: str) -> None:
+    """Until more than half of the honest peers have excluded the attacker. Not all: once two of three refuse it, the
+    third meets it in groups of two or not at all, where it cannot be judged (CI: the third had judged a scaled
+    attacker twice, of the three times it takes, when the attacker could find no group any more)."""
+    def of_attacker(event: PeerExcluded) -> bool:
+        return event.peer_id == attacker_id
+
+    waits = {asyncio.create_task(peer.wait_for(PeerExcluded, of_attacker, timeout=timeout, what=f"{what} excluded"))
+             for peer in honest}
+    try:
+        done = set()
+        while len(done) <= len(honest) // 2:
+            finished, _ = await asyncio.wait(waits - done, return_when=asyncio.FIRST_COMPLETED)
+            for task in finished:
+                task.result()  # a peer that timed out or exited fails the test here
+            done |= finished
+    finally:
+        for task in waits:
+            task.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+
+
 @pytest.mark.timeout(600)
 async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on(tmp_path: Path):
     # The default --exclude-after 3: with 2, an honest peer a round out of step (13x the others' gradient
@@ -75,14 +98,9 @@ async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on
         attackers, excluded = {}, []
         for attack in ATTACKS:
             attacker = await waiting[attack].let_in()
-            attacker_id = attackers[attack] = attacker.peer_id
-
-            def of_attacker(event: PeerExcluded, peer_id: str = attacker_id) -> bool:
-                return event.peer_id == peer_id
-
+            attackers[attack] = attacker.peer_id
             # a sign flip joined late in training takes longest: under suite load, once more than 120 s
-            await asyncio.gather(*(peer.wait_for(PeerExcluded, of_attacker, timeout=240,
-                                                 what=f"the {attack} attacker to be excluded") for peer in honest))
+            await excluded_by_a_majority(honest, attacker.peer_id, timeout=240, what=f"the {attack} attacker")
             attacker.terminate()  # its exit is awaited below: the next peer starts meanwhile, excluded it is harmless
             excluded.append(attacker)
 
@@ -112,9 +130,11 @@ async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on
         assert await swarm.all_exited(timeout=240, peers=honest) == [0, 0, 0]
 
     summaries = [json.loads((tmp_path / f"{name}.json").read_text()) for name in HONEST]
+    for attacker_id in attackers.values():
+        assert sum(attacker_id in summary["excluded_peers"] for summary in summaries) >= 2, (summaries, attackers)
     for peer, summary in zip(honest, summaries):
         assert not CLOCK_AHEAD.search(peer.log())
-        assert summary["excluded_peers"] == list(attackers.values()), (summary["excluded_peers"], attackers)
+        assert set(summary["excluded_peers"]) <= set(attackers.values()), (summary["excluded_peers"], attackers)
         assert summary["global_epoch"] == final_epoch and summary["val_loss_last"] < summary["val_loss_first"], summary
     states = [peer.model_state() for peer in honest]
     for state in states:
