@@ -11,10 +11,8 @@ The rules, the same on every peer:
   `reference()` decides it.
 - A peer compares at its newest epoch once every peer it counts has published one, or SETTLE_SECONDS after
   it published its own. Holding another digest than the swarm's, it is apart: it downloads.
-- A peer never downloads from a peer that a majority outvoted at its newest compared epoch (the DonorFilter
-  stage, averaging/pipeline/donors.py, tells the averager processes). The loser of a tie is not refused: the
-  smallest id is a convention, not evidence against the other, which may be the only donor left (seen: a peer
-  whose last round failed refused the one peer that offered the final state, and left 6e-3 apart).
+- A peer never downloads from a peer whose digest at its newest compared epoch is not the swarm's (the
+  DonorFilter stage, averaging/pipeline/donors.py, tells the averager processes).
 - A downloaded state is applied only if its digest is the one its donor published for the state's epoch and,
   where other peers published for that epoch too, the swarm's. A donor whose state is not what it published
   lied about one or the other: its offence excludes it at once (averaging/pipeline/exclusion.py). A donor
@@ -175,7 +173,7 @@ class DigestBook:
                 self._apart_at = epoch if self._apart_at is None else self._apart_at
             elif self._apart_at is not None and epoch >= self._apart_at:
                 self._apart_at = None
-        self._minority = others if majority(at_epoch) is not None else frozenset()
+        self._minority = others
         self.on_refused(self.refused_donors())
         # said once per change, and once per epoch at which this peer is found apart
         if last is None or last.agrees != check.agrees or (not check.agrees and last.epoch != check.epoch):

@@ -114,16 +114,6 @@ def test_donors_whose_state_is_not_the_swarms_are_refused():
     assert book.refused_donors() == {B}
 
 
-def test_the_peer_that_loses_a_tie_is_not_refused_as_a_donor():
-    # two peers that disagree: the smaller id holds the swarm's state by convention, which says nothing against the
-    # other one, whose state it may yet need (and a download is checked against what its donor published)
-    book, _, refused = book_with({B: {5: Y}})
-    book.record(5, X)
-    check = book.check(expected_peers=2)
-    assert check.agrees and check.others == {B}
-    assert refused[-1] == set() and book.refused_donors() == set()
-
-
 def judge(swarm, donor, epoch, digest):
     book, _, refused = book_with(swarm, me=D)
     return book.judge_download(donor, epoch, digest, sleep=lambda seconds: None), book
