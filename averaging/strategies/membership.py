@@ -112,8 +112,12 @@ class SharesState(ReportsProgress):
         of whose last rounds failed, would tie, and the smaller id's state, maybe the failed one's, would win);
         unless its state is to be the `reference` all the same (every peer's round went wrong alike), which the
         others then download and check against this digest."""
-        if self.agreement is not None and (reference or not self.rounds.apart):
+        if self.agreement is None:
+            return
+        if reference or not self.rounds.apart:
             self.agreement.record(self.local_epoch, self.state_averager.served_digest(self.agreement.select))
+        else:
+            self.agreement.state_left_behind()
 
     def _close_agreement(self) -> None:
         if self.agreement is not None:

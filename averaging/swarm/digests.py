@@ -12,7 +12,8 @@ The rules, the same on every peer:
 - A peer compares at its newest epoch once every peer it counts has published one, or SETTLE_SECONDS after
   it published its own. Holding another digest than the swarm's, it is apart: it downloads.
 - A peer never downloads from a peer whose digest at its newest compared epoch is not the swarm's (the
-  DonorFilter stage, averaging/pipeline/donors.py, tells the averager processes).
+  DonorFilter stage, averaging/pipeline/donors.py, tells the averager processes); unless it only lost a tie
+  to this peer's state and a round has since left this peer apart (that state is gone).
 - A downloaded state is applied only if its digest is the one its donor published for the state's epoch and,
   where other peers published for that epoch too, the swarm's. A donor whose state is not what it published
   lied about one or the other: its offence excludes it at once (averaging/pipeline/exclusion.py). A donor
@@ -43,8 +44,8 @@ UNPUBLISHED_DONOR_SECONDS = 5.0
 """How long a donor whose state could not be checked (no digest published for it yet) is skipped: the next
 attempt tries another donor, and this one again once its digest is out."""
 PUBLISHED_WAIT_SECONDS = 5.0
-"""How long a download waits for its donor's digest of that epoch to appear (the donor publishes it as it
-enters the epoch; the DHT takes a moment)."""
+"""How long a download waits for its donor's digest of that epoch to appear, or to become the one it served (the
+donor publishes it as it enters the epoch, and again after a download at that epoch; the DHT takes a moment)."""
 READ_TIMEOUT_SECONDS = 5.0
 
 DIGEST_MISMATCH, NOT_MAJORITY, UNPUBLISHED = "digest_mismatch", "not_majority", "unpublished"
@@ -110,6 +111,7 @@ class DigestBook:
         self._apart_at: Optional[int] = None  # the epoch at which a comparison found this peer apart
         self._refused_until: Dict[str, float] = {}
         self._minority: FrozenSet[str] = frozenset()
+        self._won_tie = False  # whether this peer's state was the swarm's at its last comparison only as the smaller id
 
     # --- the training thread ------------------------------------------------------------------
 
@@ -173,12 +175,20 @@ class DigestBook:
                 self._apart_at = epoch if self._apart_at is None else self._apart_at
             elif self._apart_at is not None and epoch >= self._apart_at:
                 self._apart_at = None
-        self._minority = others
+        self._minority, self._won_tie = others, check.agrees and majority(at_epoch) is None
         self.on_refused(self.refused_donors())
         # said once per change, and once per epoch at which this peer is found apart
         if last is None or last.agrees != check.agrees or (not check.agrees and last.epoch != check.epoch):
             self.on_check(check)
         return check
+
+    def state_left_behind(self) -> None:
+        """A round left this peer apart: the peers it refused only for losing a tie of two to its state (as the
+        larger id) are donors again, that state being gone (seen: a peer whose last round failed refused the one
+        peer that offered the final state, and left 6e-3 apart). Those a majority outvoted stay refused."""
+        if self._won_tie and self._minority:
+            self._minority = frozenset()
+            self.on_refused(self.refused_donors())
 
     def refused_donors(self) -> FrozenSet[str]:
         now = self.clock()
@@ -192,7 +202,9 @@ class DigestBook:
         """Why a state downloaded from `donor` at `epoch` with `digest` must be refused, or None to accept it."""
         published = self._published(donor, epoch)
         waited = 0.0
-        while published is None and waited < PUBLISHED_WAIT_SECONDS:
+        # a donor that has just downloaded at this epoch serves a state its record shows a moment later: an honest
+        # donor's record comes to show what it served, a liar's never does (CI: honest donors excluded without this)
+        while published != digest and waited < PUBLISHED_WAIT_SECONDS:
             sleep(0.5)
             waited += 0.5
             self._swarm = by_peer(self.read_records())

@@ -114,6 +114,35 @@ def test_donors_whose_state_is_not_the_swarms_are_refused():
     assert book.refused_donors() == {B}
 
 
+def test_a_peer_left_apart_by_a_round_takes_the_loser_of_its_tie_as_a_donor_again_not_a_majoritys():
+    book, _, refused = book_with({B: {5: Y}})
+    book.record(5, X)
+    assert book.check(expected_peers=2).agrees and book.refused_donors() == {B}  # a tie of two: A, the smaller id
+    book.state_left_behind()  # its next round failed: the state that won the tie is gone, B's may be the one left
+    assert refused[-1] == set() and book.refused_donors() == set()
+
+    book, _, _ = book_with({B: {5: Y}, C: {5: X}})
+    book.record(5, X)
+    assert book.check(expected_peers=3).agrees
+    book.state_left_behind()
+    assert book.refused_donors() == {B}  # outvoted by a majority, whatever became of this peer's state
+
+
+def test_a_download_from_a_donor_whose_record_shows_its_new_state_a_moment_later_is_accepted():
+    # the donor downloaded at epoch 5 itself just before it served: its record still shows what it held before
+    swarm = {A: {5: X}, B: {5: Y}, C: {5: Y}}
+    book, _, refused = book_with(swarm, me=D)
+    reads = []
+
+    def republished(seconds: float) -> None:
+        reads.append(seconds)
+        if len(reads) == 3:
+            swarm[A][5] = Y
+
+    assert book.judge_download(A, 5, Y, sleep=republished) is None
+    assert A not in book.refused_donors()
+
+
 def judge(swarm, donor, epoch, digest):
     book, _, refused = book_with(swarm, me=D)
     return book.judge_download(donor, epoch, digest, sleep=lambda seconds: None), book
