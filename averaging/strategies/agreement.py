@@ -49,8 +49,8 @@ class StateAgreement:
     def apart(self) -> bool:
         return self.book.apart()
 
-    def state_left_behind(self) -> None:
-        self.book.state_left_behind()
+    def state_left_behind(self, epoch: int) -> None:
+        self.book.state_left_behind(epoch)
 
     def await_comparison(self, epoch: int, timeout_seconds: float, poll_seconds: float = 0.2) -> bool:
         """Wait until this peer's state at `epoch` has been compared with the swarm's (at most `timeout_seconds`;

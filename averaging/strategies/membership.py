@@ -117,7 +117,7 @@ class SharesState(ReportsProgress):
         if reference or not self.rounds.apart:
             self.agreement.record(self.local_epoch, self.state_averager.served_digest(self.agreement.select))
         else:
-            self.agreement.state_left_behind()
+            self.agreement.state_left_behind(self.local_epoch)
 
     def _close_agreement(self) -> None:
         if self.agreement is not None:

@@ -111,7 +111,8 @@ class DigestBook:
         self._apart_at: Optional[int] = None  # the epoch at which a comparison found this peer apart
         self._refused_until: Dict[str, float] = {}
         self._minority: FrozenSet[str] = frozenset()
-        self._won_tie = False  # whether this peer's state was the swarm's at its last comparison only as the smaller id
+        self._minority_by_tie: Optional[int] = None  # the epoch of the last comparison, if this peer won it by a tie
+        self._left_behind_at: Optional[int] = None  # the last epoch at which a round left this peer apart
 
     # --- the training thread ------------------------------------------------------------------
 
@@ -175,25 +176,28 @@ class DigestBook:
                 self._apart_at = epoch if self._apart_at is None else self._apart_at
             elif self._apart_at is not None and epoch >= self._apart_at:
                 self._apart_at = None
-        self._minority, self._won_tie = others, check.agrees and majority(at_epoch) is None
+        self._minority = others
+        self._minority_by_tie = epoch if check.agrees and majority(at_epoch) is None else None
         self.on_refused(self.refused_donors())
         # said once per change, and once per epoch at which this peer is found apart
         if last is None or last.agrees != check.agrees or (not check.agrees and last.epoch != check.epoch):
             self.on_check(check)
         return check
 
-    def state_left_behind(self) -> None:
-        """A round left this peer apart: the peers it refused only for losing a tie of two to its state (as the
-        larger id) are donors again, that state being gone (seen: a peer whose last round failed refused the one
-        peer that offered the final state, and left 6e-3 apart). Those a majority outvoted stay refused."""
-        if self._won_tie and self._minority:
-            self._minority = frozenset()
-            self.on_refused(self.refused_donors())
+    def state_left_behind(self, epoch: int) -> None:
+        """A round left this peer apart at `epoch`: the peers it refused only for losing a tie of two to its state at
+        that epoch or before (as the larger id) are donors again, that state being gone (seen: a peer whose last
+        round failed refused the one peer that offered the final state, and left 6e-3 apart). Those a majority
+        outvoted stay refused."""
+        self._left_behind_at = epoch
+        self.on_refused(self.refused_donors())
 
     def refused_donors(self) -> FrozenSet[str]:
         now = self.clock()
         recent = {peer for peer, until in self._refused_until.items() if until > now}
-        return frozenset(recent) | self._minority
+        tie, left_behind = self._minority_by_tie, self._left_behind_at
+        won_by_a_state_now_gone = tie is not None and left_behind is not None and tie <= left_behind
+        return frozenset(recent) | (frozenset() if won_by_a_state_now_gone else self._minority)
 
     # --- a download, on the training thread ---------------------------------------------------
 

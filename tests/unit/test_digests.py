@@ -115,16 +115,21 @@ def test_donors_whose_state_is_not_the_swarms_are_refused():
 
 
 def test_a_peer_left_apart_by_a_round_takes_the_loser_of_its_tie_as_a_donor_again_not_a_majoritys():
-    book, _, refused = book_with({B: {5: Y}})
+    swarm = {B: {5: Y}}
+    book, _, refused = book_with(swarm)
     book.record(5, X)
     assert book.check(expected_peers=2).agrees and book.refused_donors() == {B}  # a tie of two: A, the smaller id
-    book.state_left_behind()  # its next round failed: the state that won the tie is gone, B's may be the one left
+    book.state_left_behind(6)  # its next round failed: the state that won the tie is gone, B's may be the one left
     assert refused[-1] == set() and book.refused_donors() == set()
+    assert book.check(expected_peers=2).epoch == 5 and book.refused_donors() == set()  # compared again: the same
+    swarm[B][7] = Y
+    book.record(7, X, downloaded=True)  # its state at epoch 7 wins a new tie: B is refused again
+    assert book.check(expected_peers=2).epoch == 7 and book.refused_donors() == {B}
 
     book, _, _ = book_with({B: {5: Y}, C: {5: X}})
     book.record(5, X)
     assert book.check(expected_peers=3).agrees
-    book.state_left_behind()
+    book.state_left_behind(6)
     assert book.refused_donors() == {B}  # outvoted by a majority, whatever became of this peer's state
 
 
