@@ -40,7 +40,8 @@ async def test_a_drifted_peer_resyncs_by_digest_and_refuses_and_excludes_a_donor
                                what="the liar to be excluded")
         await drifter.wait_for(StateDownloaded, lambda event: event.time > rejected.time, timeout=120,
                                what="a download from an honest donor")
-        await drifter.wait_for(StateChecked, lambda event: event.agrees and event.time > rejected.time,
+        # said once per change: where the drifter resynced before the liar served it, that came before the refusal
+        await drifter.wait_for(StateChecked, lambda event: event.agrees and event.time > apart.time,
                                timeout=120, what="the drifter's digest to be the swarm's again")
         swarm.end_soon([honest, drifter, liar])
         assert await swarm.all_exited(timeout=240) == [0, 0, 0]
