@@ -8,6 +8,7 @@ writes a file (a missing identity file is created by dht.node.start_dht).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -15,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from dht.files import read_input_text
 
+RUN_OWNER_CHARS = 32
+"""A run owner's fingerprint: 128 bits of the SHA-256 of its public key, in hex (dht/run_owner.py)."""
 MULTIADDR_EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/12D3..."
 
 
@@ -89,6 +92,11 @@ class DHTConfig(BaseModel):
         description="File with a shared secret (at least 16 bytes); only peers holding the same secret average "
         "together.",
     )
+    run_owner: Optional[str] = Field(
+        default=None,
+        description="The run owner's fingerprint, from the join command the run's first peer prints: only a run "
+        "manifest that owner signed is believed.",
+    )
     host_maddrs: List[str] = Field(
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
         description="Multiaddrs to listen on; tcp/0 picks a free port.",
@@ -138,6 +146,14 @@ class DHTConfig(BaseModel):
             if len(parts) >= 5 and parts[3] in ("tcp", "udp") and parts[4] == "0":
                 raise ValueError(f"{maddr} announces port 0, which nobody can connect to; announce the port this "
                                  f"peer listens on (give --host-maddrs a fixed port, e.g. /tcp/31337)")
+        return value
+
+    @field_validator("run_owner")
+    @classmethod
+    def _a_fingerprint(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not re.fullmatch(f"[0-9a-f]{{{RUN_OWNER_CHARS}}}", value):
+            raise ValueError(f"must be the {RUN_OWNER_CHARS} hex characters of the run owner's fingerprint, as the "
+                             f"run's first peer printed them in its join command (peer status shows them)")
         return value
 
     @field_validator("initial_peers_file", "identity", "swarm_key")

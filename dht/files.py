@@ -1,4 +1,5 @@
-"""Reading the small files that flags name (--config, --swarm-key, --initial-peers-file, --identity).
+"""Reading the small files that flags name (--config, --swarm-key, --initial-peers-file, --identity), and
+creating the private key files a peer keeps (--identity, the run owner's key).
 
 A path can name something that blocks on open (a FIFO with no writer), never ends (/dev/zero) or is
 far too large to be a setting. Each is refused from its stat, before it is opened, in one line that
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 MAX_INPUT_FILE_BYTES = 1 << 20  # a config, key or address list is a few KiB at most
@@ -46,3 +48,25 @@ def read_input_text(path: Path, max_bytes: int = MAX_INPUT_FILE_BYTES) -> str:
     except UnicodeDecodeError as e:
         raise InputFileError(
             f"{path} is not a text file (byte {e.start} is not UTF-8); give the path of a text file") from None
+
+
+PRIVATE_FILE_MODE = 0o600
+
+
+def create_private_file(path: Path, data: bytes) -> None:
+    """Write data to a new file only its owner can read, atomically; an existing file is kept, never replaced
+    (another process that created it meanwhile wins). :raises OSError: the file cannot be created"""
+    parent = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")  # mkstemp creates 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, PRIVATE_FILE_MODE)
+        try:
+            os.link(tmp, path)  # link, not rename: an existing file is never replaced
+        except FileExistsError:
+            pass
+    finally:
+        Path(tmp).unlink(missing_ok=True)

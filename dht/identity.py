@@ -13,13 +13,10 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import Dict
 
-from dht.files import InputFileError, read_input_file
-
-KEY_FILE_MODE = 0o600
+from dht.files import InputFileError, create_private_file, read_input_file
 
 
 class IdentityError(ValueError):
@@ -106,21 +103,7 @@ def _create_key_file(path: Path) -> None:
 
     # the same format hivemind's P2P.generate_identity writes, which p2pd reads
     key = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=RSAPrivateKey().to_bytes())
-    parent = path.parent if str(path.parent) else Path(".")
     try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")  # mkstemp creates 0600
+        create_private_file(path, key.SerializeToString())
     except OSError as e:
         raise IdentityError(f"identity file {path}: cannot create the key file ({e.strerror or e})") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(key.SerializeToString())
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, KEY_FILE_MODE)
-        try:
-            # link, not rename: if another process created the file meanwhile, keep its key, never replace it
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-    finally:
-        Path(tmp).unlink(missing_ok=True)

@@ -24,7 +24,18 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
-from pydantic.v1 import BaseModel, StrictBool, StrictFloat, StrictInt, confloat, conint, conlist, constr, validator
+from pydantic.v1 import (
+    BaseModel,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    conbytes,
+    confloat,
+    conint,
+    conlist,
+    constr,
+    validator,
+)
 
 from dht.keys import SwarmKeys, peers_key
 
@@ -80,7 +91,10 @@ class RunManifest(BaseModel):
     settings: Dict[constr(strict=True, max_length=64), Union[StrictInt, StrictFloat, _SettingText]]
     """By the command-line name of the option that sets each one ("task", "target_batch_size", ...)."""
     created: confloat(strict=True)
-    """When the run's first peer made it (DHT time): the older of two equally shared manifests wins."""
+    """When the run's first peer made it (DHT time)."""
+    owner: conbytes(strict=True, max_length=32) = b""
+    """The Ed25519 public key of the run's owner, who signed it (dht/run_owner.py); empty: not signed yet."""
+    signature: conbytes(strict=True, max_length=64) = b""
 
 
 class ClockRecord(BaseModel):

@@ -92,7 +92,7 @@ def _serve(config: PeerConfig, write_maddrs: Optional[Path], events) -> int:
                 write_lines_atomically(write_maddrs, maddrs)
             print_addresses(config, str(dht.peer_id), maddrs, write_maddrs)
             events.emit(Ready(role="bootstrap", peer_id=str(dht.peer_id), run_id=config.training.run_id,
-                              multiaddrs=maddrs))
+                              multiaddrs=maddrs, run_owner=config.dht.run_owner))
             while not stop.wait(LIVENESS_POLL_SECONDS):
                 if not dht.is_alive():
                     logger.error("the DHT process died; exiting (check the log above, rerun with --verbose)")
@@ -114,8 +114,9 @@ def print_addresses(config: PeerConfig, peer_id: str, maddrs: List[str], written
     if written_to is not None:
         lines.append(f"(written to {written_to}; peers can pass --initial-peers-file {written_to})")
     if maddrs:
+        owner = f" --run-owner {config.dht.run_owner}" if config.dht.run_owner else ""
         lines += ["To join this swarm, run:",
-                  f"  peer start --run-id {config.training.run_id} --initial-peers {maddrs[0]}"]
+                  f"  peer start --run-id {config.training.run_id}{owner} --initial-peers {maddrs[0]}"]
     print("\n".join(lines), flush=True)
 
 

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, List, Optional
 
 from averaging.registry import DEFAULT_STRATEGY
 from dht.node import DHTStartCancelled, DHTStartError, visible_maddrs
+from dht.run_owner import fingerprint
 from peer.checkpoint.store import CheckpointError
 from peer.config import PeerConfig
 from peer.exit_codes import BadInput, ExitCode
@@ -100,9 +101,10 @@ def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerR
         logger.info(start_summary(config, sum(p.numel() for p in trainer.model.parameters()), device, precision,
                                   metrics_url(config.monitoring.metrics_host, monitoring.port)))
         # once this peer is a member (its settings matched the run's manifest); above the bar, on a terminal
-        print_join_instructions(config, dht, trainer.display.print)
+        run_owner = fingerprint(builder.manifest.owner)
+        print_join_instructions(config, dht, run_owner if builder.owns_run else None, trainer.display.print)
         builder.events.emit(Ready(peer_id=str(dht.peer_id), run_id=config.training.run_id,
-                                  multiaddrs=visible_maddrs(dht),
+                                  multiaddrs=visible_maddrs(dht), run_owner=run_owner,
                                   metrics_url=metrics_url(config.monitoring.metrics_host, monitoring.port)))
         stop.install_handlers()  # hivemind's averagers set SIGINT to "ignore" in this process when they start
         builder.publisher(dht, trainer, monitoring)
@@ -149,21 +151,22 @@ def metrics_url(host: str, port: Optional[int]) -> Optional[str]:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
 
-def print_join_instructions(config: PeerConfig, dht, show: Callable[[str], None]) -> None:
+def print_join_instructions(config: PeerConfig, dht, owned_run: Optional[str], show: Callable[[str], None]) -> None:
+    """:param owned_run: the run owner's fingerprint, if this peer started the run"""
     maddrs = visible_maddrs(dht)
     logger.info(f"peer id {dht.peer_id}; listening on {', '.join(maddrs)}")
-    hint = join_hint(config, maddrs)
+    hint = join_hint(config, maddrs, owned_run)
     if hint:
         show(hint)
 
 
-def join_hint(config: PeerConfig, maddrs: List[str]) -> Optional[str]:
-    """The command that joins this swarm, printed by the peer that started it (whoever joined it already knows
+def join_hint(config: PeerConfig, maddrs: List[str], owned_run: Optional[str]) -> Optional[str]:
+    """The command that joins this swarm, printed by the peer that started the run (whoever joined it already knows
     an address: `peer swarm` prints it once, not once per peer); None for a joiner or a client."""
-    if config.dht.client_mode or config.dht.initial_peers or not maddrs:
+    if config.dht.client_mode or owned_run is None or not maddrs:
         return None
     command = (
-        f"peer start --run-id {config.training.run_id} --task {config.training.task} "
+        f"peer start --run-id {config.training.run_id} --run-owner {owned_run} --task {config.training.task} "
         f"--target-batch-size {config.averaging.target_batch_size}"
     )
     if config.averaging.strategy != DEFAULT_STRATEGY:  # settings every peer of the run must share

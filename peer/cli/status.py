@@ -22,7 +22,8 @@ from peer.cli.options import READER_WORDING, SectionedCommand, config_options_fo
 from peer.config import PeerConfig
 from peer.exit_codes import ExitCode
 
-STATUS_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "swarm_key", "target_batch_size", "verbose"]
+STATUS_FIELDS = ["initial_peers", "initial_peers_file", "run_id", "run_owner", "swarm_key", "target_batch_size",
+                 "verbose"]
 SHORT_ID_CHARS = 8
 
 
@@ -114,17 +115,21 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> 
     from hivemind.utils import get_dht_time
 
     from dht.keys import SwarmKeys
-    from dht.manifest import agreed_manifest, read_manifests
+    from dht.manifest import agreed_manifest, held_by_peers, read_manifests
     from dht.records import read_peer_infos
+    from dht.run_owner import fingerprint
 
     run_id, keys = config.training.run_id, SwarmKeys.for_run(config.training.run_id, config.dht.swarm_key)
     try:
         infos = read_peer_infos(dht, run_id, timeout_seconds)
         progress = read_progress(dht, keys.progress, timeout_seconds, claims)
-        manifest = agreed_manifest(read_manifests(dht, keys.manifest, timeout_seconds))
+        copies = read_manifests(dht, keys.manifest, timeout_seconds, owner=config.dht.run_owner)
     except Exception as e:  # a timeout or a DHT that went away: the swarm is not readable
         raise SwarmUnreachable(f"could not read the swarm's records within {timeout_seconds:.0f}s "
                                f"({type(e).__name__}); check the address, or raise --timeout-seconds") from e
+    # the owner's manifest if one was given, else the one the live peers hold (anyone can store one)
+    held = held_by_peers(copies, infos)
+    manifest = agreed_manifest(copies if config.dht.run_owner else held or copies)
     now, dht_now = time.time(), get_dht_time()
     latest: Dict[str, Any] = {}  # by peer id: a restarted peer keeps its id (--identity) but signs with a new key
     for info in infos.values():
@@ -140,7 +145,9 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> 
     swarm["samples_per_second"] = round(float(sum(peer["samples_per_second"] for peer in peers)), 3)
     if not progress and peers:
         swarm["global_epoch"] = max((p["epoch"] for p in peers if not p["client_mode"]), default=0)
-    manifest = None if manifest is None else {"protocol": manifest.protocol, "settings": manifest.settings}
+    if manifest is not None:
+        manifest = {"protocol": manifest.protocol, "settings": manifest.settings, "owner": fingerprint(manifest.owner),
+                    "held_by_peers": sum(1 for copy in held.values() if copy == manifest)}
     return {"swarm": swarm, "peers": peers, "manifest": manifest}
 
 
@@ -248,4 +255,5 @@ def print_table(report: Dict[str, Any], clear: bool = False) -> None:
         console.print("manifest: none readable (with --swarm-key, pass the swarm's key file)")
     else:
         settings = ", ".join(f"{name} {value}" for name, value in sorted(manifest["settings"].items()))
-        console.print(f"manifest (protocol {manifest['protocol']}): {settings}", soft_wrap=True)
+        console.print(f"manifest (protocol {manifest['protocol']}, signed by run owner {manifest['owner']}, held by "
+                      f"{manifest['held_by_peers']} live peers): {settings}", soft_wrap=True)

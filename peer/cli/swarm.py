@@ -21,6 +21,7 @@ import click
 from peer.config import PeerConfig
 from peer.exit_codes import ExitCode
 from peer.process.launcher import Peer, PeerFailed
+from peer.telemetry.events import Ready
 
 BOOTSTRAP_TIMEOUT_SECONDS = 180.0
 
@@ -117,24 +118,26 @@ async def _run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Opti
     first = local_peer(config, 0, peer_args(config, base_args, 0, summary_dir, gpus))
     peers.append(first)
     if config.dht.initial_peers:
-        initial_peers = ",".join(config.dht.initial_peers)  # joining an existing swarm: everyone uses it
+        join = ["--initial-peers", ",".join(config.dht.initial_peers)]  # joining an existing swarm: everyone uses it
     else:
-        initial_peers = await _join_address(first, stopping)
-        if initial_peers is None:
+        ready = await _ready(first, stopping)
+        if ready is None:
             if not stopping.is_set():
                 click.echo("[swarm] peer-0 exited or was not ready in time; not starting the others", err=True)
                 on_signal(signal.SIGTERM)
             return await _wait_all(peers)
+        join = ["--initial-peers", ready.multiaddrs[0]]
+        if ready.run_owner is not None and config.dht.run_owner is None:  # as the join command peer-0 printed
+            join += ["--run-owner", ready.run_owner]
     for index in range(1, num_peers):
         if stopping.is_set():
             break
-        args = peer_args(config, base_args, index, summary_dir, gpus) + ["--initial-peers", initial_peers]
-        peers.append(local_peer(config, index, args))
+        peers.append(local_peer(config, index, peer_args(config, base_args, index, summary_dir, gpus) + join))
     return await _wait_all(peers)
 
 
-async def _join_address(first: Peer, stopping: asyncio.Event) -> Optional[str]:
-    """Peer 0's address once it is ready; None if it exits, a stop comes, or time runs out."""
+async def _ready(first: Peer, stopping: asyncio.Event) -> Optional[Ready]:
+    """Peer 0's ready event, once it has an address; None if it exits, a stop comes, or time runs out."""
     ready = asyncio.ensure_future(first.ready(BOOTSTRAP_TIMEOUT_SECONDS))
     stopped = asyncio.ensure_future(stopping.wait())
     await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -143,9 +146,10 @@ async def _join_address(first: Peer, stopping: asyncio.Event) -> Optional[str]:
         ready.cancel()
         return None
     try:
-        return ready.result().multiaddrs[0]
-    except (PeerFailed, IndexError):
+        event = ready.result()
+    except PeerFailed:
         return None
+    return event if event.multiaddrs else None
 
 
 async def _wait_all(peers: List[Peer]) -> int:

@@ -244,6 +244,11 @@ class Peer:
         return ready[-1]
 
     @property
+    def run_owner(self) -> Optional[str]:
+        """The fingerprint of the run owner it trains with, once ready (what others pass as --run-owner)."""
+        return self._ready().run_owner
+
+    @property
     def address(self) -> str:
         """The first multiaddr it listens on, once ready (what others pass as --initial-peers)."""
         ready = self._ready()

@@ -31,7 +31,8 @@ from dht.keys import SwarmKeys
 from dht.manifest import MANIFEST_TTL_SECONDS, REFRESH_PERIOD_SECONDS, agreed_manifest, read_manifests
 from dht.node import DHTStartCancelled, quiet_dht_logs, shutdown_dht, start_dht
 from dht.reconnect import Departures, Reconnector
-from dht.records import PeerInfo, PeerInfoPublisher, RecordPublisher, record_validators
+from dht.records import PeerInfo, PeerInfoPublisher, RecordPublisher, RunManifest, record_validators
+from dht.run_owner import KEY_FILE_NAME, RunOwnerKey, RunOwnerKeyError
 from monitoring import (
     BottleneckClassifier,
     HealthCheck,
@@ -90,6 +91,7 @@ class PeerBuilder:
         self.keys = SwarmKeys.for_run(config.training.run_id, config.dht.swarm_key)
         self._dht_quiet = False
         self._checkpoint_lock: Optional[CheckpointDirLock] = None
+        self.manifest: Optional[RunManifest] = None  # the run's signed manifest, once this peer is a member
         adapter.install()  # before anything forks: every hivemind process inherits the patches
 
     def monitoring(self, device: torch.device) -> Monitoring:
@@ -239,20 +241,37 @@ class PeerBuilder:
         """Check this peer's settings against the run's manifest (or start the run), then keep our copy alive.
 
         :raises ManifestMismatch: other settings than the swarm's (exit 2)
+        :raises BadInput: the run owner key in --checkpoint-dir is unusable (exit 2)
         :raises ManifestUnreadable: the run's peers are visible but their manifest is not (exit 1)
         """
-        manifest = join_run(dht, self.keys, manifest_for(self.config, task_name, model),
-                            self.config.dht.startup_timeout_seconds, wait=self.stop.wait)
+        try:
+            manifest = join_run(dht, self.keys, manifest_for(self.config, task_name, model), self.run_owner_key,
+                                self.config.dht.run_owner, self.config.dht.startup_timeout_seconds, wait=self.stop.wait)
+        except RunOwnerKeyError as e:
+            raise BadInput(str(e)) from e
         if manifest is None:
             raise DHTStartCancelled("stopped while reading the run manifest")
+        self.manifest = manifest
         self._keep_manifest(dht, manifest.dict)
+
+    def run_owner_key(self) -> RunOwnerKey:
+        """The key this peer signs a run's manifest with when it starts the run (kept in --checkpoint-dir)."""
+        return RunOwnerKey.load_or_create(self.config.checkpoint.checkpoint_dir)
+
+    @property
+    def owns_run(self) -> bool:
+        """Whether this peer's run owner key signed the run's manifest (it started the run)."""
+        if self.manifest is None or not (self.config.checkpoint.checkpoint_dir / KEY_FILE_NAME).exists():
+            return False  # (a joiner never makes a key)
+        return self.manifest.owner == self.run_owner_key().public_key
 
     def serve_manifest(self, dht: hivemind.DHT) -> None:
         """For a node that trains nothing (peer bootstrap): keep the run's manifest alive while it runs, so that
         it outlives a pause of every training peer."""
 
         def current() -> Optional[dict]:
-            manifest = agreed_manifest(read_manifests(dht, self.keys.manifest, timeout_seconds=10.0))
+            copies = read_manifests(dht, self.keys.manifest, timeout_seconds=10.0, owner=self.config.dht.run_owner)
+            manifest = agreed_manifest(copies)
             return None if manifest is None else manifest.dict()
 
         self._keep_manifest(dht, current)

@@ -3,16 +3,24 @@
 A peer started with another task, model, target batch or averaging setting than its swarm
 would otherwise fail in confusing ways: state downloads that break on shapes, rounds that
 never form, epochs that advance at the wrong target. So before it builds its optimizer (which
-would count its samples toward the swarm's progress) the peer reads the run's manifest:
+would count its samples toward the swarm's progress) the peer reads the run's manifest, which
+the run's owner signed (dht/run_owner.py):
 
-- none anywhere, and no other peer of the run visible: this peer starts the run and stores it;
-- one, equal to ours: train, and keep our copy of it alive;
-- one that differs: exit 2 with one line per differing setting (ours, the swarm's, the flag);
-  a legitimate change of settings needs a new --run-id;
-- none, while other peers of the run are visible: the manifest could not be read; exit 1
-  rather than train alone with settings nobody checked.
+- with --run-owner (the join command the first peer prints carries it), only manifests that owner
+  signed are read: one equal to ours: train; one that differs: exit 2 with one line per differing
+  setting (ours, the swarm's, the flag); none while peers of the run are visible: exit 1 rather than
+  train with settings nobody checked;
+- without it, a signed manifest equal to ours is joined (whoever signed it: nothing is taken from
+  it); one that differs and that a live peer of the run holds (dht/manifest.py: held_by_peers): exit
+  2 naming the settings but not the manifest's values, which nobody vouched for (the fix is the first
+  peer's join command); manifests that no peer of the run holds, such as a squatter's, are not judged;
+- no manifest of the run and no peer of it visible (manifests stored by others ignored, without
+  --run-owner): this peer starts the run, signs its own manifest with its run owner key and stores it.
+  A squatter that also poses as a peer of the run (a PeerInfo under its manifest's key) makes a peer
+  without --run-owner refuse to start (exit 2), never train with the squatter's settings.
 
-Settings that only matter to this peer (batch size, device, timeouts, ports) are not part of it.
+A legitimate change of settings needs a new --run-id. Settings that only matter to this peer
+(batch size, device, timeouts, ports) are not part of it.
 """
 from __future__ import annotations
 
@@ -26,8 +34,9 @@ from hivemind.utils import get_dht_time
 
 from averaging.registry import STRATEGIES
 from dht.keys import SwarmKeys
-from dht.manifest import MANIFEST_TTL_SECONDS, PROTOCOL_VERSION, agreed_manifest, read_manifests
+from dht.manifest import MANIFEST_TTL_SECONDS, PROTOCOL_VERSION, agreed_manifest, held_by_peers, read_manifests
 from dht.records import RunManifest, read_peer_infos, store_own
+from dht.run_owner import RunOwnerKey, fingerprint
 from peer.config import OPTIONS_BY_CLI, PeerConfig
 from peer.exit_codes import BadInput
 from peer.task_names import BUILTIN_TASK_NAMES
@@ -65,8 +74,12 @@ def manifest_for(config: PeerConfig, task_name: str, model: torch.nn.Module) -> 
     return RunManifest(protocol=PROTOCOL_VERSION, settings=settings, created=get_dht_time())
 
 
-def differences(ours: RunManifest, swarm: RunManifest) -> List[str]:
-    """One line per setting that differs, naming the flag that would make this peer match."""
+def differences(ours: RunManifest, swarm: RunManifest, verified: bool = True) -> List[str]:
+    """One line per setting that differs, naming the flag that would make this peer match.
+
+    :param verified: whether this peer was told the run's owner; if not, nothing vouches for the swarm's
+        values, so the lines name the settings but never advise taking a value from the manifest
+    """
     if ours.protocol != swarm.protocol:
         return [f"this peer speaks swarm protocol {ours.protocol}, the swarm {swarm.protocol}: install the "
                 f"swarmtrain version the swarm runs, or start a new run with another --run-id"]
@@ -77,31 +90,47 @@ def differences(ours: RunManifest, swarm: RunManifest) -> List[str]:
         differs &= set(core)
     if "task" in differs:  # another task has another model
         differs.discard("model")
-    lines = []
-    for name in (name for name in names if name in differs):
-        mine, theirs = ours.settings.get(name), swarm.settings.get(name)
-        if name == "model":
-            lines.append(f"the model's parameters differ from the swarm's (layout {mine} here, {theirs} in the "
-                         f"swarm): use the same task code and version as the swarm")
-        elif theirs is None or mine is None:
-            which = "this peer" if theirs is None else "the swarm"
-            lines.append(f"{OPTIONS_BY_CLI[name].flag} is set only by {which} ({mine if mine is not None else theirs!r}"
-                         f"); start with the swarm's settings")
-        elif name == "task" and theirs not in BUILTIN_TASK_NAMES:  # a module:function task's own name
-            lines.append(f"--task is {mine!r} here but {theirs!r} in the swarm; start with the --task "
-                         f"module:function that builds the task named {theirs!r}")
-        else:
-            flag = OPTIONS_BY_CLI[name].flag
-            lines.append(f"{flag} is {mine!r} here but {theirs!r} in the swarm; start with {flag} {theirs}")
+    describe = _difference if verified else _unverified_difference
+    lines = [describe(name, ours.settings.get(name), swarm.settings.get(name))
+             for name in names if name in differs]
+    if lines and not verified:
+        lines.append(f"this peer was not given the run's owner, so it cannot tell the run's manifest (signed by "
+                     f"{fingerprint(swarm.owner)}) from a forged one: start it with the join command the run's first "
+                     f"peer printed, with --run-owner, to learn the settings to use")
     if lines:
         lines.append("every peer of a run must share these settings; to train with other settings, use a new --run-id")
     return lines
 
 
-def join_run(dht, keys: SwarmKeys, ours: RunManifest, timeout_seconds: float,
-             wait: Callable[[float], bool] = lambda seconds: bool(time.sleep(seconds))) -> Optional[RunManifest]:
-    """Check ours against the run's manifest, or start the run with ours; the manifest this peer trains with.
+def _difference(name: str, mine, theirs) -> str:
+    if name == "model":
+        return (f"the model's parameters differ from the swarm's (layout {mine} here, {theirs} in the swarm): use "
+                f"the same task code and version as the swarm")
+    if theirs is None or mine is None:
+        which = "this peer" if theirs is None else "the swarm"
+        return (f"{OPTIONS_BY_CLI[name].flag} is set only by {which} ({mine if mine is not None else theirs!r}); "
+                f"start with the swarm's settings")
+    if name == "task" and theirs not in BUILTIN_TASK_NAMES:  # a module:function task's own name
+        return (f"--task is {mine!r} here but {theirs!r} in the swarm; start with the --task module:function that "
+                f"builds the task named {theirs!r}")
+    flag = OPTIONS_BY_CLI[name].flag
+    return f"{flag} is {mine!r} here but {theirs!r} in the swarm; start with {flag} {theirs}"
 
+
+def _unverified_difference(name: str, mine, theirs) -> str:
+    if name == "model":
+        return f"the model's parameter layout ({mine} here) differs from the run's manifest"
+    setting = "--task" if name == "task" else OPTIONS_BY_CLI[name].flag
+    return f"{setting} ({mine!r} here) differs from the run's manifest"
+
+
+def join_run(dht, keys: SwarmKeys, ours: RunManifest, owner_key: Callable[[], RunOwnerKey], run_owner: Optional[str],
+             timeout_seconds: float,
+             wait: Callable[[float], bool] = lambda seconds: bool(time.sleep(seconds))) -> Optional[RunManifest]:
+    """Check ours against the run's manifest, or start the run with ours; the signed manifest this peer trains with.
+
+    :param owner_key: this peer's run owner key (made on first use), to sign with when it starts the run
+    :param run_owner: the fingerprint of the run's owner (--run-owner), if this peer was given it
     :param wait: sleeps up to the given seconds; True when the peer was asked to stop (then this returns None)
     :raises ManifestMismatch: the swarm trains with other settings (exit 2)
     :raises ManifestUnreadable: peers of the run are visible but their manifest is not (exit 1)
@@ -109,27 +138,50 @@ def join_run(dht, keys: SwarmKeys, ours: RunManifest, timeout_seconds: float,
     deadline = time.monotonic() + timeout_seconds
     while True:
         request_timeout = max(1.0, min(10.0, deadline - time.monotonic()))
-        swarm = agreed_manifest(read_manifests(dht, keys.manifest, request_timeout))
-        if swarm is None and not read_peer_infos(dht, keys.run_id, request_timeout):
-            # nobody else is here: this peer starts the run. Peers started at the same moment each store their
-            # own; reading back decides between them (the oldest of equally held manifests wins).
-            store_own(dht, keys.manifest, ours.dict(), MANIFEST_TTL_SECONDS)
-            swarm = agreed_manifest(read_manifests(dht, keys.manifest, request_timeout)) or ours
-            if not differences(ours, swarm):
-                logger.info("this peer starts the run: stored its manifest")
-        if swarm is not None:
-            problems = differences(ours, swarm)
-            if problems:
-                raise ManifestMismatch("\n".join(problems))
-            return swarm  # the caller keeps this peer's copy of it alive
+        copies = read_manifests(dht, keys.manifest, request_timeout, owner=run_owner)
+        joined = _equal_to(ours, copies)
+        if joined is not None:
+            return joined  # the caller keeps this peer's copy of it alive
+        peers = read_peer_infos(dht, keys.run_id, request_timeout)
+        verified = run_owner is not None
+        # without the owner, only manifests that peers of the run train with: anyone can store one
+        judged = copies if verified else held_by_peers(copies, peers)
+        if judged:
+            raise ManifestMismatch("\n".join(differences(ours, agreed_manifest(judged), verified)))
+        peers_visible = bool(peers)
+        if not peers_visible and (not verified or run_owner == owner_key().fingerprint):
+            return _start_run(dht, keys, ours, owner_key(), copies)
         if time.monotonic() >= deadline:
+            signed_by = "" if run_owner is None else f" signed by run owner {run_owner}"
             raise ManifestUnreadable(
-                f"peers of run {keys.run_id!r} are visible but no run manifest could be read within "
-                f"{timeout_seconds:.0f}s; check that they run this version of swarmtrain and the same --swarm-key, "
-                f"or raise --startup-timeout-seconds"
+                f"no run manifest{signed_by} of run {keys.run_id!r} could be read within {timeout_seconds:.0f}s"
+                f"{' while its peers are visible' if peers_visible else ''}; check that they run this version of "
+                f"swarmtrain, the same --swarm-key{' and --run-owner' if run_owner else ''}, or raise "
+                f"--startup-timeout-seconds"
             )
         if wait(POLL_SECONDS):
             return None
+
+
+def _equal_to(ours: RunManifest, copies: Dict[bytes, RunManifest]) -> Optional[RunManifest]:
+    """The signed manifest among copies that holds ours (the most held and oldest, of several owners)."""
+    return agreed_manifest({holder: manifest for holder, manifest in copies.items()
+                            if (manifest.protocol, manifest.settings) == (ours.protocol, ours.settings)})
+
+
+def _start_run(dht, keys: SwarmKeys, ours: RunManifest, key: RunOwnerKey,
+               ignored: Dict[bytes, RunManifest]) -> RunManifest:
+    """Sign ours and store it. Manifests a peer not told the owner found while nobody trains are a squatter's:
+    ignored. (Two peers that start a run at the same moment each sign their own; with equal settings, both
+    manifests hold ours.)"""
+    if ignored:
+        owners = sorted({fingerprint(manifest.owner) for manifest in ignored.values()})
+        logger.warning(f"ignoring run manifests signed by {', '.join(owners)}: no peer of run {keys.run_id!r} trains "
+                       f"with them; this peer starts the run (peers that join with its --run-owner never read them)")
+    signed = key.sign(ours, keys.manifest)
+    store_own(dht, keys.manifest, signed.dict(), MANIFEST_TTL_SECONDS)
+    logger.info(f"this peer starts the run: stored its manifest, signed by run owner {key.fingerprint}")
+    return signed
 
 
 def _setting(config: PeerConfig, cli_name: str):

@@ -45,6 +45,8 @@ class Ready(Event):
     run_id: str
     multiaddrs: List[str]
     metrics_url: Optional[str] = None
+    run_owner: Optional[str] = None
+    """The fingerprint of the run owner whose manifest it trains with (a bootstrap node: the one given, if any)."""
 
 
 class Joined(Event):

@@ -55,7 +55,8 @@ class Swarm:
     The harness adds the rest: a checkpoint directory, an events file and a summary per peer, a free
     metrics port (unless --metrics-port is given), listening on 127.0.0.1 (unless --host-maddrs is
     given), and --initial-peers of the swarm's first node (a peer, or a `bootstrap()` node) for every
-    later one. `run()` starts any other `peer` command (a monitor, `peer swarm`) as part of the swarm.
+    later one, with the --run-owner it names (as the join command the run's first peer prints does).
+    `run()` starts any other `peer` command (a monitor, `peer swarm`) as part of the swarm.
     """
 
     def __init__(self, workdir: Path, *args: str, fast: bool = False, env: Optional[Dict[str, str]] = None):
@@ -111,6 +112,8 @@ class Swarm:
         entry = next((peer for peer in self.peers if peer.command in EVENT_WRITERS), None)
         if join and entry is not None:
             extra += ["--initial-peers", entry.address]
+            if entry.run_owner is not None and "--run-owner" not in given:  # as the join command the owner printed
+                extra += ["--run-owner", entry.run_owner]
         if namespace is not None:
             prefix = ["ip", "netns", "exec", namespace, *prefix]
         peer = self.run("start", *self.args, *extra, *args, name=name, env=env, prefix=prefix)

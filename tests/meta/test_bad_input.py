@@ -62,6 +62,7 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "identity": [lambda t: _file(t, "identity.key", "not a key")],
     "swarm_key": [lambda t: _file(t, "swarm.key", "short"), lambda t: str(t / "missing.key"), lambda t: "/dev/zero",
                   lambda t: _fifo(t, "swarm.key")],
+    "run_owner": [lambda t: "not-hex", lambda t: "0123456789ABCDEF" * 2, lambda t: "ab" * 15],
     "host_maddrs": [lambda t: "0.0.0.0:31337"],
     "announce_maddrs": [lambda t: "/ip4/1.2.3.4/tcp/port", lambda t: "/ip4/1.2.3.4/tcp/0"],
     "client_mode": [lambda t: "perhaps"],

@@ -1,5 +1,6 @@
-"""Mistaken and hostile peers against a real swarm on 127.0.0.1: the run manifest refuses the incompatible,
-and forged progress records do not freeze anyone (one swarm for both, to keep the suite short)."""
+"""Mistaken and hostile peers against a real swarm on 127.0.0.1: the run manifest refuses the incompatible, forged
+manifests refuse and reconfigure nobody, and forged progress records freeze nobody (one swarm for all, to keep the
+suite short)."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from dht.keys import SwarmKeys
 from peer.telemetry.events import EpochEnded
 from peer.testing import Peer, Swarm
+from tests.peers import forge_manifests
 
 TARGET = "192"
 # the first peer trains alone for most of the test: on the built-in task it would take a whole core, while this
@@ -47,29 +49,45 @@ def peers_per_epoch(peer: Peer) -> List[int]:
 
 
 @pytest.mark.timeout(300)
-async def test_incompatible_peers_are_refused_and_forged_progress_freezes_nobody(tmp_path: Path):
+async def test_incompatible_peers_are_refused_and_forged_manifests_or_progress_sway_nobody(tmp_path: Path):
     async with Swarm(tmp_path, "--task", TASK, fast=True) as swarm:
+        bootstrap = await swarm.bootstrap()
+        keys = SwarmKeys.for_run("swarmtrain")
+        # 1. a squatter's manifest, stored before the run's first peer starts, with the attacker's target batch
+        squatted = {"task": "slow-data", "target_batch_size": 999, "averaging": "sync"}
+        forge_manifests(bootstrap.address, keys, squatted, copies=1, owner_key_dir=tmp_path / "squatter")
         first = await swarm.add("--target-batch-size", TARGET, "--max-seconds", "240", name="a")
+        assert "ignoring run manifests signed by" in first.log() and first.run_owner is not None
+        # and three more copies while it trains: newcomers given the owner never read them
+        forge_manifests(bootstrap.address, keys, squatted, copies=3, owner_key_dir=tmp_path / "squatter")
+        owner = ["--run-owner", first.run_owner]
 
-        # 1. the run manifest: each mismatched peer exits 2 naming the setting, before it can join a round
-        mismatched = {name: await swarm.add(*args, name=name, ready=False) for name, (args, _) in MISMATCHED.items()}
-        for name, (_, expected) in MISMATCHED.items():
-            peer = mismatched[name]
+        # 2. the run manifest: each mismatched peer exits 2 naming the setting, before it can join a round
+        mismatched = {name: await swarm.add(*args, *owner, name=name, ready=False)
+                      for name, (args, _) in MISMATCHED.items()}
+        # not told the owner, a mismatched peer is refused too, and told no value that nobody vouched for
+        unverified = await swarm.add("--target-batch-size", "512", name="untold", ready=False)
+        for name, (_, expected) in [*MISMATCHED.items(), ("untold", ("", "--target-batch-size (512 here) differs"))]:
+            peer = unverified if name == "untold" else mismatched[name]
             assert (await peer.exited(timeout=120)).code == 2, peer.log_tail()
             errors = [line for line in peer.log().splitlines() if line.startswith("error: ")]
             assert errors[0].startswith("error: " + expected), errors
             assert "use a new --run-id" in errors[-1]
+            assert not any("but 999" in line or "size 999" in line for line in errors), errors  # the squatter's
             assert "Traceback" not in peer.log()
+        errors = [line for line in unverified.log().splitlines() if line.startswith("error: ")]
+        assert any("with --run-owner" in line for line in errors)
+        assert not any(f"but {TARGET}" in line or "start with --target-batch-size" in line for line in errors), errors
         # the training peer never counted them: every epoch so far had it alone in the swarm
         await first.reach(2, timeout=90)
         assert peers_per_epoch(first) and set(peers_per_epoch(first)) == {1}, first.events
         epoch_after_refusals = first.epoch
 
-        # 2. forged progress: epoch 10^9, and 10^12 samples
+        # 3. forged progress: epoch 10^9, and 10^12 samples
         forgers = [forge_progress(first.address, 10**9, 0), forge_progress(first.address, first.epoch, 10**12)]
         try:
             epoch_at_forgery = first.epoch
-            second = await swarm.add("--target-batch-size", TARGET, "--max-seconds", "200", name="b")
+            second = await swarm.add("--target-batch-size", TARGET, "--max-seconds", "200", *owner, name="b")
             await second.wait_for(EpochEnded, lambda event: event.epoch >= epoch_at_forgery + 3 and event.peers == 2,
                                   timeout=120, what="the newcomer to train with the first peer, three epochs past "
                                                     "the forgery")

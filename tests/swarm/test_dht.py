@@ -34,10 +34,10 @@ async def test_status_lists_both_peers_of_a_keyed_swarm_with_its_progress_and_ma
     async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "256", "--min-peers", "2",
                      "--max-seconds", "180", "--swarm-key", str(key), fast=True) as swarm:
         first, second = await swarm.start(2)
-        await check_status_of_keyed_swarm(tmp_path, key, first.address)
+        await check_status_of_keyed_swarm(tmp_path, key, first.address, first.run_owner)
 
 
-async def check_status_of_keyed_swarm(tmp_path: Path, key: Path, address: str) -> None:
+async def check_status_of_keyed_swarm(tmp_path: Path, key: Path, address: str, run_owner: str) -> None:
     report = {}
 
     def both_listed() -> bool:
@@ -56,6 +56,8 @@ async def check_status_of_keyed_swarm(tmp_path: Path, key: Path, address: str) -
     assert swarm["eta_next_epoch_seconds"] is not None
     assert report["manifest"]["settings"]["task"] == "bytelm-tiny"
     assert report["manifest"]["settings"]["target_batch_size"] == 256
+    # signed by the first peer, which started the run; the joiner keeps a copy too
+    assert report["manifest"]["owner"] == run_owner and report["manifest"]["held_by_peers"] == 2
     assert swarm["samples_per_second"] == pytest.approx(sum(peer["samples_per_second"] for peer in peers), abs=0.01)
     assert len({peer["peer_id"] for peer in peers}) == 2
     assert any(address.endswith("/p2p/" + peer["peer_id"]) for peer in peers)  # the first peer is one of them
@@ -72,7 +74,8 @@ async def check_status_of_keyed_swarm(tmp_path: Path, key: Path, address: str) -
     for peer in peers:
         assert peer["short_id"] in table.stdout
     assert "swarm: 2 peers" in table.stdout and "/256 samples" in table.stdout
-    assert "manifest (protocol" in table.stdout and "task bytelm-tiny" in table.stdout
+    assert f"signed by run owner {run_owner}, held by 2 live peers" in table.stdout
+    assert "task bytelm-tiny" in table.stdout
 
     # without the key, the peers are listed (PeerInfo records are open) but not the progress or the manifest
     blind = run_peer(tmp_path, "status", "--json", "--initial-peers", address, "--target-batch-size", "256",

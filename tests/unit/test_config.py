@@ -241,17 +241,19 @@ def test_the_entry_point_exits_without_teardown_yet_loses_no_output_and_keeps_it
     assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_only_the_peer_that_starts_a_swarm_prints_how_to_join_it():
+def test_only_the_peer_that_started_the_run_prints_how_to_join_it_with_its_owner():
     from peer.cli.start import join_hint
 
     lan, loopback = f"/ip4/192.168.1.5/tcp/40123/p2p/{PEER_ID}", f"/ip4/127.0.0.1/tcp/40123/p2p/{PEER_ID}"
+    owner = "0123456789abcdef" * 2
     starter = load_config(flags={"task": "bytelm-tiny"})
-    hint = join_hint(starter, [lan, loopback])
+    hint = join_hint(starter, [lan, loopback], owner)
     assert hint.startswith("To join this swarm from another machine, run:")
-    assert f"peer start --run-id swarmtrain --task bytelm-tiny --target-batch-size 4096 --initial-peers {lan}" in hint
+    assert (f"peer start --run-id swarmtrain --run-owner {owner} --task bytelm-tiny --target-batch-size 4096 "
+            f"--initial-peers {lan}") in hint
     # listening on the loopback only (as `peer swarm` does): another machine could not use that address
-    hint = join_hint(starter, [loopback])
+    hint = join_hint(starter, [loopback], owner)
     assert hint.startswith("To join this swarm from this machine, run:") and "--host-maddrs /ip4/0.0.0.0/" in hint
-    joiner = load_config(flags={"initial_peers": lan})  # it knew an address already; `peer swarm` prints one hint
-    assert join_hint(joiner, [lan]) is None
-    assert join_hint(load_config(flags={"initial_peers": lan, "client_mode": "true"}), [lan]) is None
+    # a joiner knew an address already (`peer swarm` prints one hint), even one that started with --initial-peers
+    assert join_hint(load_config(flags={"initial_peers": lan}), [lan], None) is None
+    assert join_hint(load_config(flags={"initial_peers": lan, "client_mode": "true"}), [lan], owner) is None
