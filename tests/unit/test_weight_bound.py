@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from averaging.config import AveragingConfig
 from averaging.pipeline.defence import Defence, Verdict
 from averaging.pipeline.exclusion import ExclusionBook, ExclusionRule, ExclusionWatch
 from averaging.pipeline.robust import (
@@ -24,6 +25,15 @@ from tests.unit.test_robust_aggregation import contributions, honest_parts, weig
 TARGET = 48
 BOUND = WeightBound(TARGET, max_share=2.0)
 MEAN = RobustPolicy(rule="mean")
+
+
+def test_the_config_defaults_are_the_policys_and_the_bounds():
+    config = AveragingConfig()
+    policy = RobustPolicy()
+    assert (config.robust_aggregation, config.robust_trim_fraction) == (policy.rule, policy.trim_fraction) == (
+        "trimmed-mean", 0.25)
+    assert (config.robust_norm_ratio, config.robust_min_cosine) == (policy.norm_ratio, policy.min_cosine)
+    assert config.robust_max_weight_share == WeightBound(TARGET).max_share == 2.0
 
 
 def test_a_claim_far_above_the_bound_is_capped_used_and_an_offence():
