@@ -124,7 +124,7 @@ class Aggregate(NamedTuple):
     result: torch.Tensor
     drops: List[Drop]
     fully_judged: bool  # every check that is on ran (False: too few contributions, or no direction consensus)
-    capped: List[WeightClaim]  # contributions used with their weight capped to the bound
+    capped: List[WeightClaim]  # weights capped to the bound (the contribution is used, unless a check drops it)
 
 
 class NothingToAggregate(RuntimeError):
