@@ -176,18 +176,18 @@ class AveragingConfig(BaseModel):
     )
     robust_aggregation: Literal["mean", "trimmed-mean", "centered-clip"] = Field(
         default="trimmed-mean",
-        description="How a reducer combines the contributions it kept: trimmed-mean (per coordinate, without the "
-        "highest and lowest; of 3, the median), mean (weighted by samples, as hivemind does) or centered-clip (no "
-        "sender moves the result far). Of 3, the median outvotes one hostile peer. With trimmed-mean, "
-        "--robust-trim-fraction of each end is left out, and at least one value of each with 3 or more "
-        "contributions; of 2, it is their weighted mean. Contributions that hold NaN/Inf, or are far out by norm or "
-        "direction, are dropped first.",
+        description="How a reducer combines what it kept: trimmed-mean (per coordinate, without the highest and "
+        "lowest; of 3, the median), mean (weighted by samples) or centered-clip. With trimmed-mean, "
+        "--robust-trim-fraction of each end is left out, and at least one value of each with 3 or more contributions: "
+        "of 3, the median outvotes one hostile peer; of 2, it is their weighted mean. mean is hivemind's own (any "
+        "sender can move it anywhere); with centered-clip, no sender moves the result far. Contributions that hold "
+        "NaN/Inf, or are far out by norm or direction, are dropped first.",
     )
     robust_max_weight_share: float = Field(
         default=2.0,
         ge=1,
-        description="A sender's weight cap, in fair shares of the target batch. A reducer counts the samples each "
-        "sender claims (its weight in gradient and DiLoCo rounds) as at most this many times --target-batch-size / "
+        description="Cap a sender's weight at this many fair shares. A reducer counts the samples each sender "
+        "claims (its weight in gradient and DiLoCo rounds) as at most this many times --target-batch-size / "
         "the number of senders of its part, so that a peer cannot outweigh the others by claiming samples it never "
         "trained on; a claim above twice that cap is an offence (--exclude-after). Raise it if some honest peers are "
         "more than this many times as fast as the swarm's average.",
