@@ -175,10 +175,22 @@ class AveragingConfig(BaseModel):
         "run the optimizer step on the CPU; only parameters and gradients stay on the device.",
     )
     robust_aggregation: Literal["mean", "trimmed-mean", "centered-clip"] = Field(
-        default="mean",
-        description="How a reducer combines the contributions it kept: mean (weighted by samples), trimmed-mean "
-        "(per coordinate, without the --robust-trim-fraction highest and lowest) or centered-clip (no sender moves "
-        "the result far). Contributions that hold NaN/Inf, or are far out by norm or direction, are dropped first.",
+        default="trimmed-mean",
+        description="How a reducer combines what it kept: trimmed-mean (per coordinate, without the highest and "
+        "lowest; of 3, the median), mean (weighted by samples) or centered-clip. With trimmed-mean, "
+        "--robust-trim-fraction of each end is left out, and at least one value of each with 3 or more contributions: "
+        "of 3, the median outvotes one hostile peer; of 2, it is their weighted mean. mean is hivemind's own (any "
+        "sender can move it anywhere); with centered-clip, no sender moves the result far. Contributions that hold "
+        "NaN/Inf, or are far out by norm or direction, are dropped first.",
+    )
+    robust_max_weight_share: float = Field(
+        default=2.0,
+        ge=1,
+        description="Cap a sender's weight at this many fair shares. A reducer counts the samples each sender "
+        "claims (its weight in gradient and DiLoCo rounds) as at most this many times --target-batch-size / "
+        "the number of senders of its part, so that a peer cannot outweigh the others by claiming samples it never "
+        "trained on; a claim above twice that cap is an offence (--exclude-after). Raise it if some honest peers are "
+        "more than this many times as fast as the swarm's average.",
     )
     robust_norm_ratio: float = Field(
         default=20.0,
@@ -194,13 +206,16 @@ class AveragingConfig(BaseModel):
         "this (it points against the swarm, e.g. sign-flipped; needs 4 or more senders); -1 turns this off.",
     )
     robust_trim_fraction: float = Field(
-        default=0.25, ge=0, lt=0.5, description="trimmed-mean: the fraction cut from each end, per coordinate."
+        default=0.25, ge=0, lt=0.5,
+        description="trimmed-mean: the fraction cut from each end, per coordinate (rounded down, but at least one "
+        "value of each end with 3 or more contributions).",
     )
     exclude_after: int = Field(
         default=3,
         ge=1,
-        description="Exclude a peer once this many of its last --exclude-window rounds were dropped by this peer's "
-        "reducers: it is then refused in matchmaking and state sharing.",
+        description="Exclude a peer once this many of its last --exclude-window rounds held an offence for this "
+        "peer's reducers (a dropped contribution, or an implausible weight claim): it is then refused in matchmaking "
+        "and state sharing.",
     )
     exclude_window: int = Field(
         default=10, ge=1, description="How many of a peer's most recent rounds --exclude-after counts in."

@@ -100,6 +100,29 @@ def make_diverging_task() -> Task:
     return dataclasses.replace(base, build_optimizer=lambda params: torch.optim.SGD(params, lr=1e30))
 
 
+OVERCLAIM_FACTOR = 10
+
+
+def make_overclaiming_task() -> Task:
+    """bytelm-tiny on a hostile peer that claims OVERCLAIM_FACTOR times the samples it trains on, and ascends its
+    loss: each step takes (and reports to the swarm) a batch of OVERCLAIM_FACTOR x 16 windows, computes the loss on
+    the first 16 only, and flips its sign. In eval mode the loss is the honest one (its validation is not the
+    attack). Built only through the Task API, under the built-in's name, so that it passes the run manifest."""
+    import dataclasses
+
+    from peer.tasks import load_task
+
+    base = load_task("bytelm-tiny")
+    computed = base.batch_size
+
+    def flipped_loss_of_a_tenth(model, batch):
+        if not model.training:
+            return base.loss_fn(model, batch)
+        return -base.loss_fn(model, [part[:computed] for part in batch])
+
+    return dataclasses.replace(base, batch_size=OVERCLAIM_FACTOR * computed, loss_fn=flipped_loss_of_a_tenth)
+
+
 class _ActOnPass(Dataset):
     """A validation set that runs actions[k] at the start of its pass number k (1 = the first)."""
 

@@ -5,7 +5,8 @@
 - First thing in the averager's own process: that pipeline becomes the process's (refusals.py reads it).
 - Each all-reduce: upstream's `_run_allreduce_inplace_`, with canonical replies (averaging/adapter/runner.py:
   each peer copies the average's exact bits), and the stages applied at their points: error feedback's inputs
-  and part container, a robust runner when the averager carries a Defence, the grace window of its reducer
+  and part container, a robust runner when the averager carries a Defence (bounding the weights when it also
+  carries a WeightBound: its weights are sample counts), the grace window of its reducer
   (averaging/adapter/grace.py: once this peer's round is over, the runner still answers the senders it left out
   for an all-reduce timeout), and the share of the average that never arrived, and of this peer's contribution
   that was left out, recorded by the completeness stage.
@@ -28,6 +29,7 @@ from averaging.pipeline import round_pipeline
 from averaging.pipeline.completeness import Completeness
 from averaging.pipeline.defence import Defence
 from averaging.pipeline.error_feedback import ErrorFeedback
+from averaging.pipeline.robust import WeightBound
 from averaging.pipeline.round_pipeline import RoundEnd
 from averaging.pipeline.stragglers import GraceWindow, declared, late_arrivals
 
@@ -62,7 +64,7 @@ async def run_allreduce_inplace_through_pipeline(self: DecentralizedAverager, te
     grace = pipeline.stage(GraceWindow)
     runner_class, extra = CanonicalAllReduceRunner, {}
     if defence is not None:
-        runner_class, extra = RobustAllReduceRunner, dict(defence=defence)
+        runner_class, extra = RobustAllReduceRunner, dict(defence=defence, weight_bound=pipeline.stage(WeightBound))
     if feedback is not None and not feedback.matches(tensors):
         feedback = None  # not this averager's own tensors
     inputs = tensors

@@ -14,14 +14,23 @@ import hivemind
 from hivemind.optim.state_averager import TrainingStateAverager
 
 from averaging.pipeline.error_feedback import ErrorFeedback
+from averaging.pipeline.robust import WeightBound
 from averaging.pipeline.round_pipeline import including
 
 
 class HookedOptimizer(hivemind.Optimizer):
-    """hivemind.Optimizer whose private steps call the hooks below (each one's default is upstream's behaviour)."""
+    """hivemind.Optimizer whose private steps call the hooks below (each one's default is upstream's behaviour).
 
-    def __init__(self, *, error_feedback: Optional[ErrorFeedback] = None, **kwargs):
-        self.error_feedback = error_feedback  # before super().__init__, which builds the gradient averager
+    :param error_feedback: carried by the gradient averager alone
+    :param weight_bound: carried by the gradient averager alone: its weights are the samples each peer accumulated
+      (hivemind's GradientAverager, PowerSGD's too). The state averager's parameter rounds weigh each peer 1, no
+      sample count, so a bound from the target batch means nothing there.
+    """
+
+    def __init__(self, *, error_feedback: Optional[ErrorFeedback] = None, weight_bound: Optional[WeightBound] = None,
+                 **kwargs):
+        # before super().__init__, which builds the gradient averager
+        self.error_feedback, self.weight_bound = error_feedback, weight_bound
         super().__init__(**kwargs)
 
     # --- hooks ---------------------------------------------------------------------------------
@@ -62,7 +71,7 @@ class HookedOptimizer(hivemind.Optimizer):
         return self.make_state_averager(**kwargs)
 
     def _make_gradient_averager(self, factory, **kwargs):
-        with including(self.error_feedback):  # the gradient averager alone carries error feedback
+        with including(self.error_feedback), including(self.weight_bound):  # the gradient averager alone
             return super()._make_gradient_averager(factory, **kwargs)
 
     def _update_global_epoch(self, grad_scaler) -> None:

@@ -1,15 +1,16 @@
 """Robust reduction inside hivemind's all-reduce: a reducer that screens each sender's part before combining.
 
 hivemind's TensorPartReducer keeps a running sum of the parts it receives. RobustPartReducer keeps each
-sender's part instead, combines them with averaging/pipeline/robust.py once every sender's part has arrived,
-and after the round sends a verdict per sender to the training process through the averager's Defence
+sender's part instead, combines them with averaging/pipeline/robust.py once every sender's part has arrived
+(capping the weights where the averager carries a WeightBound: its weights are sample counts), and after the
+round sends a verdict per sender to the training process through the averager's Defence
 (averaging/pipeline/defence.py), where exclusion is decided. RobustAllReduceRunner is hivemind's
 AllReduceRunner with such a reducer. Both override upstream code that averaging/adapter/upstream.py fingerprints.
 """
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from hivemind.averaging.partition import AllreduceException
@@ -18,7 +19,7 @@ from hivemind.p2p import PeerID
 from averaging.adapter.grace import GracefulPartReducer
 from averaging.adapter.runner import CanonicalAllReduceRunner
 from averaging.pipeline.defence import Defence, Verdict
-from averaging.pipeline.robust import Contribution, Drop, NothingToAggregate, aggregate
+from averaging.pipeline.robust import Contribution, Drop, Finding, NothingToAggregate, WeightBound, aggregate
 from averaging.pipeline.stragglers import GraceWindow
 
 logger = logging.getLogger(__name__)
@@ -32,13 +33,13 @@ class RobustPartReducer(GracefulPartReducer):
     that the part can be screened and combined robustly once every sender's contribution has arrived."""
 
     def __init__(self, part_shapes, sender_peer_ids: Sequence[PeerID], own_peer_id: PeerID, round_id: str,
-                 defence: Defence, grace: Optional[GraceWindow] = None):
+                 defence: Defence, grace: Optional[GraceWindow] = None, weight_bound: Optional[WeightBound] = None):
         self.sender_peer_ids, self.own_peer_id, self.round_id = list(sender_peer_ids), own_peer_id, round_id
-        self.defence = defence
+        self.defence, self.weight_bound = defence, weight_bound
         excluded = defence.excluded()
         self.excluded_senders = [index for index, peer in enumerate(self.sender_peer_ids) if peer in excluded]
         self.contributions: List[Contribution] = []
-        self.offences: dict = {}  # sender index -> the first Drop that was an offence
+        self.offences: Dict[int, Finding] = {}  # sender index -> its first offence (a drop before a weight claim)
         self.participated: set = set()
         self.fully_judged: set = set()  # senders of a part whose direction was judged
         super().__init__(part_shapes, len(self.sender_peer_ids), grace)
@@ -53,19 +54,26 @@ class RobustPartReducer(GracefulPartReducer):
 
     def finish_current_part(self) -> None:
         try:
-            result, drops, fully_judged = aggregate(self.contributions, self.defence.policy,
-                                                        self.excluded_senders)
+            result, drops, fully_judged, capped = aggregate(self.contributions, self.defence.policy,
+                                                            self.excluded_senders, self.weight_bound)
         except NothingToAggregate as e:
             self.current_part_future.set_exception(AllreduceException(f"part {self.current_part_index}: {e}"))
             self.finalize()
             return
-        for drop in drops:
-            if drop.is_offence:
-                self.offences.setdefault(drop.sender, drop)
+        for finding in [*drops, *capped]:
+            if finding.is_offence:
+                self._note(finding)
         if fully_judged:
             self.fully_judged.update(item.sender for item in self.contributions)
         self.current_part_future.set_result(result)
         self.reset_accumulators()
+
+    def _note(self, offence: Finding) -> None:
+        # one verdict per sender and round: a dropped contribution (what the drop counters count) outranks a
+        # capped weight claim in another part
+        first = self.offences.get(offence.sender)
+        if first is None or (not isinstance(first, Drop) and isinstance(offence, Drop)):
+            self.offences[offence.sender] = offence
 
     def finalize(self):
         if not self.finished.is_set():
@@ -81,27 +89,32 @@ class RobustPartReducer(GracefulPartReducer):
             peer = self.sender_peer_ids[index]
             if peer == self.own_peer_id or index in self.excluded_senders:
                 continue  # a peer never accuses itself; the excluded are already judged
-            drop: Optional[Drop] = self.offences.get(index)
-            if drop is None and index not in self.fully_judged:
+            offence: Optional[Finding] = self.offences.get(index)
+            if offence is None and index not in self.fully_judged:
                 # no verdict: a round in which a sign flip could not have been seen (a group of three, or
                 # no consensus on a direction) must not count as clean, or such rounds would outnumber an
                 # attacker's offences in its exclusion window
                 continue
-            verdicts.append(Verdict(peer.to_base58(), self.round_id, drop.reason if drop else "",
-                                    drop.detail if drop else ""))
-            if drop is not None:
-                logger.debug(f"dropped the contribution of {peer} to round {self.round_id}: {drop.reason} "
-                             f"({drop.detail})")
+            if offence is None:
+                verdicts.append(Verdict(peer.to_base58(), self.round_id))
+                continue
+            dropped = isinstance(offence, Drop)
+            verdicts.append(Verdict(peer.to_base58(), self.round_id, offence.reason, offence.detail, dropped=dropped))
+            logger.debug(f"{'dropped the contribution' if dropped else 'capped the weight'} of {peer} in round "
+                         f"{self.round_id}: {offence.reason} ({offence.detail})")
         return verdicts
 
 
 class RobustAllReduceRunner(CanonicalAllReduceRunner):
-    """hivemind's AllReduceRunner, with canonical replies, and a RobustPartReducer in place of its reducer."""
+    """hivemind's AllReduceRunner, with canonical replies, and a RobustPartReducer in place of its reducer.
 
-    def __init__(self, *, defence: Defence, **kwargs):
-        self.defence = defence
+    :param weight_bound: where the averager's weights are sample counts, the cap on each sender's weight
+    """
+
+    def __init__(self, *, defence: Defence, weight_bound: Optional[WeightBound] = None, **kwargs):
+        self.defence, self.weight_bound = defence, weight_bound
         super().__init__(**kwargs)
 
     def make_reducer(self, part_shapes, grace: Optional[GraceWindow]) -> RobustPartReducer:
         return RobustPartReducer(part_shapes, self.sender_peer_ids, self.peer_id, self.group_id.hex()[:12],
-                                 self.defence, grace)
+                                 self.defence, grace, self.weight_bound)

@@ -4,10 +4,12 @@ A Defence is made in the peer's main process and included in the pipeline of eve
 (averaging/pipeline/round_pipeline.py), so each averager process carries it:
 
 - the averager's reducers screen what each sender contributes (averaging/adapter/reducer.py, with the
-  rules of averaging/pipeline/robust.py);
-- after every round, each reducer sends a verdict per sender (dropped, and why, or not) back to the
-  main process through the Defence's queue; there an ExclusionBook (averaging/pipeline/exclusion.py) decides
-  who is excluded and writes the excluded peer ids into the Defence's shared memory;
+  rules of averaging/pipeline/robust.py), and cap the weights of an averager whose weights are sample counts
+  (it also carries a robust.WeightBound);
+- after every round, each reducer sends a verdict per sender (an offence, and whether its contribution was
+  dropped for it, or none) back to the main process through the Defence's queue; there an ExclusionBook
+  (averaging/pipeline/exclusion.py) decides who is excluded and writes the excluded peer ids into the
+  Defence's shared memory;
 - every averager process reads that list: it refuses excluded peers as followers and as leaders in
   matchmaking, neither serves its state to one nor downloads state from one, and drops what one sends
   in a group that another leader formed with it.
@@ -30,8 +32,11 @@ class Verdict:
 
     peer: str  # base58
     round_id: str
-    offence: str = ""  # a Drop reason, or "" when every part it sent was kept and judged by every check
+    offence: str = ""  # a Drop or WeightClaim reason, or "" when every part it sent was kept and judged by every check
     detail: str = ""
+    dropped: bool = False
+    """Whether the offence left its contribution out (a drop, counted as one); False for a clean round, and for an
+    offence whose contribution was still used (a weight claim, capped) or that was no contribution (a bad state)."""
 
 
 class Defence(RoundStage):

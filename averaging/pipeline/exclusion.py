@@ -1,12 +1,13 @@
 """Exclusion: a peer whose contributions this peer's reducers keep dropping is refused from then on.
 
-Reducers judge each sender once per round (averaging/adapter/reducer.py). A peer is excluded once
-`threshold` of its last `window` judged rounds were offences, so that one transient NaN, or an
-honest peer's rare outlier, never excludes anyone. A round counts as clean only if every check could
-run on it: a group of three cannot tell a sign flip, and such rounds would otherwise fill an attacker's
-window (in groups of 3 and 4 under load, the sign flipper went unexcluded for 120 s). Exclusion lasts
-for the rest of the run, or `seconds` when set; it is logged once with the peer's id and counted. This
-peer is never judged: reducers leave their own contribution out of the verdicts.
+Reducers judge each sender once per round (averaging/adapter/reducer.py): an offence is a contribution dropped
+(NaN/Inf, norm, direction) or a weight claim far above the samples a sender can have accumulated (its
+contribution was used, capped). A peer is excluded once `threshold` of its last `window` judged rounds were
+offences, so that one transient NaN, or an honest peer's rare outlier, never excludes anyone. A round counts
+as clean only if every check could run on it: a group of three cannot tell a sign flip, and such rounds would
+otherwise fill an attacker's window (in groups of 3 and 4 under load, the sign flipper went unexcluded for
+120 s). Exclusion lasts for the rest of the run, or `seconds` when set; it is logged once with the peer's id and
+counted. This peer is never judged: reducers leave their own contribution out of the verdicts.
 
 A donor that served a state other than the one it published (BAD_STATE, averaging/swarm/digests.py) is
 excluded at its first offence: an honest donor's served state is its published one, bit for bit.
@@ -56,7 +57,7 @@ class ExclusionBook:
                 self._until[verdict.peer] = self.clock() + (self.rule.seconds or float("inf"))
                 del self._recent[verdict.peer]
                 reasons = ", ".join(sorted(set(offences)))
-                why = (f"{len(offences)} of its last {len(recent)} judged rounds were dropped ({reasons}; "
+                why = (f"{len(offences)} of its last {len(recent)} judged rounds were offences ({reasons}; "
                        f"last: {verdict.detail or verdict.offence})")
                 if verdict.offence in IMMEDIATE_OFFENCES:
                     why = verdict.detail or verdict.offence
@@ -99,7 +100,7 @@ class ExclusionWatch:
 
     def _take(self, verdicts: List[Verdict]) -> None:
         for verdict in verdicts:
-            if verdict.offence and verdict.offence not in IMMEDIATE_OFFENCES:  # those are not contributions
+            if verdict.dropped:  # not a capped weight claim (its contribution was used), nor a bad state
                 self.on_drop(verdict.offence)
         changed = False
         for peer, why in self.book.record(verdicts):

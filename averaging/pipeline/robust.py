@@ -1,11 +1,15 @@
 """Robust aggregation: what a reducer does with the contributions it receives for one tensor part.
 
 In hivemind's butterfly all-reduce every peer reduces one part of every averaged tensor and sees each
-sender's contribution to that part. Instead of averaging whatever arrives, a reducer here:
+sender's contribution to that part, with its weight. Instead of averaging whatever arrives, a reducer here:
 
 1. leaves out peers this peer has excluded (no new offence: they are already excluded);
 2. drops a contribution whose weight is negative or not finite, or whose values hold NaN or Inf;
-3. with at least three finite contributions (fewer cannot outvote anyone), drops one whose L2 norm is
+3. where the averager's weights are sample counts (its pipeline carries a WeightBound), caps each weight at
+   `max_share` times an equal share of the target batch among the part's senders: a sender cannot buy itself
+   the round by claiming samples it never trained on. The capped contribution is still used; a claim above
+   OFFENCE_FACTOR times the cap is an offence (a WeightClaim finding, not a drop);
+4. with at least three finite contributions (fewer cannot outvote anyone), drops one whose L2 norm is
    more than `norm_ratio` times the median of the others' norms; then, with at least four left (the
    median of two others is no center: honest single-batch gradients were dropped that way), one whose
    cosine similarity to the coordinate-wise median of the others is below `min_cosine` (it points away
@@ -13,20 +17,26 @@ sender's contribution to that part. Instead of averaging whatever arrives, a red
    if the median of those cosines is below DIRECTION_CONSENSUS, the contributions do not agree on a
    direction (noisy single-batch gradients late in training) and an honest one points away by chance:
    on bytelm-tiny, in up to 6% of parts at one stage of training, which excluded an honest peer);
-4. combines what is left with `rule`: the weighted mean (hivemind's own), a coordinate-wise weighted
-   trimmed mean, or CenteredClip (Karimireddy et al. 2021, as in BTARD).
+5. combines what is left with `rule`: the weighted mean (hivemind's own), a coordinate-wise weighted
+   trimmed mean (the default: with three or more contributions it trims at least one value from each end
+   of every coordinate, so that with three it is their median and one hostile sender of three is
+   outvoted), or CenteredClip (Karimireddy et al. 2021, as in BTARD). A contribution of weight 0 (a peer
+   tagging along while it downloads state) has no say in the result.
 
-Every drop but the first kind is an offence by its sender, reported so that repeat offenders can be
-excluded (averaging/pipeline/exclusion.py). This module is pure torch: the hivemind wiring lives in
-averaging/adapter/reducer.py.
+Every drop but the first kind is an offence by its sender, and so is an implausible weight claim, reported so
+that repeat offenders can be excluded (averaging/pipeline/exclusion.py). The result depends only on the
+contributions, never on the order they arrived in, so a part's result is the same bits wherever it is
+reduced. This module is pure torch: the hivemind wiring lives in averaging/adapter/reducer.py.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import ClassVar, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
+
+from averaging.pipeline.round_pipeline import RoundStage
 
 MIN_SENDERS_FOR_DIRECTION = 4
 DIRECTION_CONSENSUS = 0.2
@@ -34,14 +44,37 @@ DIRECTION_CONSENSUS = 0.2
 on 4 single-batch bytelm-tiny gradients over 7 stages of training: honest parts below min_cosine fell from up to 6.2%
 to at most 0.7% of judged parts, and a sign flip is still dropped in 36 to 100% of them (it was 49 to 100%)."""
 CENTERED_CLIP_ITERATIONS = 5
+OFFENCE_FACTOR = 2.0
+"""A weight claim is an offence only above this many times its cap, that is (with the default max_share of 2) above
+four times an equal share of the target. Honest claims exceed an equal share: a fast peer accumulates more of the
+target than a slow one, and a peer that sees the others' progress late accumulates on. One peer r times as fast as
+each of n-1 others claims r/(n-1+r) of the target, above 4/n of it only where r(n-4) > 4(n-1): never in groups of
+up to four, and never for r <= 4 in any group; in groups of up to four an honest claim would have to exceed the
+whole target. The cap itself (2x an equal share) may trim a fast honest peer's weight a little, which is no
+offence."""
 
 
 @dataclass(frozen=True)
 class RobustPolicy:
     norm_ratio: float = 20.0
     min_cosine: float = -0.2  # -1 turns the direction check off
-    rule: str = "mean"
-    trim_fraction: float = 0.25
+    rule: str = "trimmed-mean"
+    trim_fraction: float = 0.25  # with 3 or more contributions, at least one is trimmed from each end
+
+
+@dataclass(frozen=True)
+class WeightBound(RoundStage):
+    """The stage of an averager whose weights are sample counts toward the target batch (gradient and
+    pseudo-gradient averagers): its reducers cap each weight at `max_share` times an equal share of the target
+    among a part's senders. Averagers whose weights are no sample counts (parameter rounds, weighted 1 each by
+    hivemind) must not carry it."""
+
+    target_batch_size: int
+    max_share: float = 2.0
+
+    def cap(self, senders: int) -> float:
+        """The most weight one of `senders` contributions that claim samples is counted with."""
+        return self.max_share * self.target_batch_size / max(1, senders)
 
 
 @dataclass(frozen=True)
@@ -53,6 +86,8 @@ class Contribution:
 
 @dataclass(frozen=True)
 class Drop:
+    """A contribution left out of the part's result, and why."""
+
     sender: int
     reason: str  # "excluded", "weight", "non-finite", "norm" or "direction"
     detail: str = ""
@@ -62,32 +97,72 @@ class Drop:
         return self.reason != "excluded"
 
 
+@dataclass(frozen=True)
+class WeightClaim:
+    """A weight above the part's cap: the contribution is used, with the cap as its weight (it is no drop)."""
+
+    sender: int
+    claimed: float
+    cap: float
+    reason: ClassVar[str] = "weight-claim"
+
+    @property
+    def is_offence(self) -> bool:
+        return self.claimed > OFFENCE_FACTOR * self.cap
+
+    @property
+    def detail(self) -> str:
+        return (f"claimed {self.claimed:.0f} samples, counted {self.cap:.0f}, at most "
+                f"{OFFENCE_FACTOR * self.cap:.0f} plausible")
+
+
+Finding = Union[Drop, WeightClaim]
+"""What a reducer found about one sender's contribution to a part (each has sender, reason, detail, is_offence)."""
+
+
 class Aggregate(NamedTuple):
     result: torch.Tensor
     drops: List[Drop]
     fully_judged: bool  # every check that is on ran (False: too few contributions, or no direction consensus)
+    capped: List[WeightClaim]  # weights capped to the bound (the contribution is used, unless a check drops it)
 
 
 class NothingToAggregate(RuntimeError):
     """Every contribution to a part was dropped: the round cannot produce an honest result."""
 
 
-def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, excluded: Sequence[int] = ()) -> Aggregate:
-    """Combine the contributions to one part; return the result, what was dropped and why, and whether
+def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, excluded: Sequence[int] = (),
+              bound: Optional[WeightBound] = None) -> Aggregate:
+    """Combine the contributions to one part; return the result, what was dropped and why, whether
     every check that is on could run (with fewer than four contributions, or no consensus on a direction,
-    a sign flip would have gone unseen)."""
+    a sign flip would have gone unseen), and whose weight was capped (where `bound` is given: the weights
+    are sample counts)."""
+    contributions = sorted(contributions, key=lambda item: item.sender)  # arrival order must not change a bit
+    cap = bound.cap(sum(1 for item in contributions if _claims_samples(item))) if bound is not None else None
     drops: List[Drop] = []
+    capped: List[WeightClaim] = []
     kept: List[Contribution] = []
     for item in contributions:
         drop = _screen(item, excluded)
-        (drops.append(drop) if drop else kept.append(item))
+        if drop is not None:
+            drops.append(drop)
+            continue
+        if cap is not None and item.weight > cap:
+            capped.append(WeightClaim(item.sender, item.weight, cap))
+            item = replace(item, weight=cap)
+        kept.append(item)
     fully_judged = False
     if len(kept) >= 3:
         kept, outliers, fully_judged = _drop_outliers(kept, policy)
         drops += outliers
     if not kept:
         raise NothingToAggregate(f"all {len(contributions)} contributions were dropped: {_describe(drops)}")
-    return Aggregate(_combine(kept, policy), drops, fully_judged)
+    return Aggregate(_combine(kept, policy), drops, fully_judged, capped)
+
+
+def _claims_samples(item: Contribution) -> bool:
+    # the senders a target's samples are shared among: a peer tagging along at weight 0 claims no share of them
+    return math.isfinite(item.weight) and item.weight > 0
 
 
 def _screen(item: Contribution, excluded: Sequence[int]) -> Optional[Drop]:
@@ -144,8 +219,11 @@ def _cosines_to_the_others(items: List[Contribution]) -> List[Optional[float]]:
 
 def _combine(kept: List[Contribution], policy: RobustPolicy) -> torch.Tensor:
     shape, dtype = kept[0].part.shape, kept[0].part.dtype
-    values = torch.stack([item.part.flatten().float() for item in kept])
-    weights = torch.tensor([item.weight for item in kept], dtype=torch.float32)
+    # weight 0 has no say: in a median, a peer tagging along with stale or zero values would otherwise be the
+    # middle value wherever the others disagree in sign (the weighted mean is the same bits either way)
+    voters = [item for item in kept if item.weight > 0] or kept
+    values = torch.stack([item.part.flatten().float() for item in voters])
+    weights = torch.tensor([item.weight for item in voters], dtype=torch.float32)
     if float(weights.sum()) == 0:
         weights = torch.ones_like(weights)  # nobody accumulated samples: a plain mean, not a division by zero
     if policy.rule == "trimmed-mean":
@@ -153,17 +231,31 @@ def _combine(kept: List[Contribution], policy: RobustPolicy) -> torch.Tensor:
     elif policy.rule == "centered-clip":
         result = _centered_clip(values, weights)
     else:
-        result = (values * weights[:, None]).sum(0) / weights.sum()
+        result = _weighted_mean(values, weights)
     return result.reshape(shape).to(dtype)
+
+
+def _weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return (values * weights[:, None]).sum(0) / weights.sum()
+
+
+def trimmed_count(count: int, trim_fraction: float) -> int:
+    """How many values the trimmed mean leaves out at each end of a coordinate, of `count`: none of two or fewer
+    (two cannot outvote each other), else `trim_fraction` of them but at least one (of three: their median)."""
+    if count < 3:
+        return 0
+    return min(max(1, int(count * trim_fraction)), (count - 1) // 2)
 
 
 def _trimmed_mean(values: torch.Tensor, weights: torch.Tensor, trim_fraction: float) -> torch.Tensor:
     """Per coordinate: leave out the `trim` largest and smallest values, weighted mean of the rest."""
     count = values.shape[0]
-    trim = min(int(count * trim_fraction), (count - 1) // 2)
+    trim = trimmed_count(count, trim_fraction)
     if trim == 0:
-        return (values * weights[:, None]).sum(0) / weights.sum()
-    ordered, order = values.sort(dim=0)
+        return _weighted_mean(values, weights)
+    ordered, order = values.sort(dim=0, stable=True)  # ties in sender order, whatever the platform
+    if count - 2 * trim == 1:
+        return ordered[trim]  # the median itself, bit for bit (a weighted mean of one value may round)
     ordered_weights = weights[order]
     middle = slice(trim, count - trim)
     middle_weights = ordered_weights[middle]

@@ -7,7 +7,8 @@ In order, for each round of an averager:
 2. codec: the averager's own compression (averaging/codecs/) encodes each part on the wire;
 3. robust reduction (defence.Defence): where this peer reduces a part, each sender's contribution is screened
    and combined robustly (robust.py), its verdicts go to exclusion (exclusion.py), and excluded peers are
-   refused in matchmaking and state sharing;
+   refused in matchmaking and state sharing; in an averager whose weights are sample counts, the weight bound
+   (robust.WeightBound) caps each sender's weight at a fair share of the target batch;
 4. the grace window (stragglers.GraceWindow): where this peer reduces a part, it waits for the last senders only so
    long after a quorum of them delivered; a latecomer is left out and still receives the average;
 5. completeness (completeness.Completeness): the share of the average that never reached this peer, and of its

@@ -56,6 +56,7 @@ from averaging.codecs.compression import configured_codec
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.pipeline.error_feedback import ErrorFeedback
+from averaging.pipeline.robust import WeightBound
 from averaging.pipeline.round_pipeline import including
 from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.membership import SharesState, join_or_terminate, step_scheduler_to
@@ -81,6 +82,7 @@ class DiLoCoOptimizer(SharesState):
         matchmaking_floor: float = 5.0,
         allreduce_timeout: float = 60.0,
         error_feedback: Optional[ErrorFeedback] = None,
+        weight_bound: Optional[WeightBound] = None,
         agreement: Optional[StateAgreement] = None,
     ):
         dht, keys = replica.dht, replica.keys
@@ -125,7 +127,9 @@ class DiLoCoOptimizer(SharesState):
         # hivemind initializes the inner optimizer's state with one zero-gradient step, which can move
         # the parameters (weight decay): the round starts from where the model is after that
         self._reset_round_start()
-        with including(error_feedback):
+        # its weights are the samples each peer stepped on (_launch): the weight bound goes with it (the state
+        # averager only serves state, it never averages)
+        with including(error_feedback), including(weight_bound):
             self.grad_averager = DecentralizedAverager(
                 averaged_tensors=[torch.zeros_like(p) for p in self.global_params],
                 dht=dht,
@@ -370,5 +374,5 @@ def build_diloco(config: AveragingConfig, replica: Replica, parts: StrategyParts
     return DiLoCoOptimizer(
         config, replica, rounds=parts.rounds, tracker_opts=parts.tracker_opts, averager_opts=parts.averager_opts,
         matchmaking_floor=parts.matchmaking_floor, allreduce_timeout=parts.allreduce_timeout,
-        error_feedback=parts.error_feedback, agreement=parts.agreement,
+        error_feedback=parts.error_feedback, weight_bound=parts.weight_bound, agreement=parts.agreement,
     )

@@ -17,7 +17,7 @@ from averaging.deadlines import AdaptiveDeadlines
 from averaging.pipeline.defence import Defence
 from averaging.pipeline.error_feedback import ErrorFeedback
 from averaging.pipeline.exclusion import ExclusionBook, ExclusionRule, ExclusionWatch
-from averaging.pipeline.robust import RobustPolicy
+from averaging.pipeline.robust import RobustPolicy, WeightBound
 from averaging.pipeline.round_pipeline import including
 from averaging.pipeline.stragglers import GraceWindow
 from averaging.registry import STRATEGIES
@@ -88,5 +88,6 @@ def _parts(config: AveragingConfig, tracker_opts: Optional[dict], rounds: RoundK
         matchmaking_floor=matchmaking_floor,
         allreduce_timeout=config.seconds("averaging_timeout_seconds") or config.averaging_timeout_seconds_max,
         error_feedback=ErrorFeedback() if config.uses_error_feedback else None,
+        weight_bound=WeightBound(config.target_batch_size, config.robust_max_weight_share),
         agreement=agreement,
     )

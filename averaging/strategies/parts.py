@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from averaging.pipeline.error_feedback import ErrorFeedback
+from averaging.pipeline.robust import WeightBound
 from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.rounds import RoundKeeper
 
@@ -27,5 +28,8 @@ class StrategyParts:
     """The longest all-reduce, fixed in the averager processes at start."""
     error_feedback: Optional[ErrorFeedback] = None
     """Carries the gradient codec's loss between rounds, where the config asks for it."""
+    weight_bound: Optional[WeightBound] = None
+    """Caps each sender's weight at a fair share of the target batch: include it around the averagers whose weights
+    are sample counts (gradients, pseudo-gradients), and no other (parameter rounds weigh each peer 1)."""
     agreement: Optional[StateAgreement] = None
     """State digests, where the strategy's peers end each epoch with one state (its builder starts it)."""

@@ -258,6 +258,7 @@ def build_sync(config: AveragingConfig, replica: Replica, parts: StrategyParts, 
         rounds=parts.rounds,
         signing_key=signing_key,
         error_feedback=parts.error_feedback,
+        weight_bound=parts.weight_bound,  # local-sgd has no gradient averager: its rounds weigh each peer 1
         agreement=parts.agreement,
         dht=replica.dht,
         params=replica.params,

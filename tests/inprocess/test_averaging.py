@@ -1,5 +1,5 @@
-"""DiLoCo's outer step, ZeRO-Offload placement, state downloads and training with no averaging, with real hivemind
-DHTs in this process."""
+"""DiLoCo's outer step, ZeRO-Offload placement, state downloads, training with no averaging, and which averagers bound
+their weights, with real hivemind DHTs in this process."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +15,8 @@ from averaging import adapter
 from averaging.api import AveragingHooks, Replica, SwarmOptimizer
 from averaging.codecs.compression import round_payload_bytes
 from averaging.config import AveragingConfig
+from averaging.pipeline import round_pipeline
+from averaging.pipeline.robust import WeightBound
 from averaging.strategies.diloco import DiLoCoOptimizer
 from averaging.strategies.factory import build_swarm_optimizer
 from averaging.strategies.outer import outer_nesterov_step_
@@ -208,6 +210,31 @@ def test_a_state_download_that_gets_nothing_is_a_failure_not_a_success(strategy:
         assert "no peer sent a usable state in 3 attempts" in caplog.text
         assert caplog.text.count("attempt ") == 3
         assert all(torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("strategy, bounded", [("sync", True), ("local-sgd", False), ("diloco", True)])
+def test_only_the_averagers_weighted_by_samples_bound_their_weights(strategy: str, bounded: bool):
+    """Gradients (sync, powersgd) and DiLoCo's pseudo-gradients are weighted by the samples each peer claims;
+    parameter rounds (local-sgd's, and the state averagers') weigh each peer 1, which no target bounds."""
+    dht = hivemind.DHT(start=True, host_maddrs=LOCALHOST)
+    optimizer = None
+    try:
+        config = AveragingConfig(strategy=strategy, target_batch_size=8, matchmaking_seconds=1.0,
+                                 robust_max_weight_share=3.0)
+        optimizer = build_swarm_optimizer(config, Replica(
+            dht=dht, keys=SwarmKeys.for_run(f"bounds_{strategy}"), params=torch.nn.Linear(4, 1).parameters(),
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=4, client_mode=False,
+        ))
+        assert round_pipeline.of(optimizer.state_averager).stage(WeightBound) is None
+        if bounded:
+            assert round_pipeline.of(optimizer.grad_averager).stage(WeightBound) == WeightBound(8, 3.0)
+        else:
+            assert optimizer.grad_averager is None  # local-sgd averages parameters only
     finally:
         if optimizer is not None:
             optimizer.shutdown()

@@ -11,7 +11,7 @@ import torch
 from averaging import adapter
 from averaging.pipeline.defence import Defence
 from averaging.pipeline.error_feedback import ErrorFeedback
-from averaging.pipeline.robust import RobustPolicy
+from averaging.pipeline.robust import RobustPolicy, WeightBound
 from averaging.pipeline.round_pipeline import RoundStage, including
 from tests.inprocess.test_averaging import run_in_threads, start_dhts
 
@@ -56,16 +56,18 @@ def averagers(values: List[Union[torch.Tensor, List[torch.Tensor]]], defences: O
                 defence.close()
 
 
-def average_all(group: List, timeout: float = 30.0, timeouts: Optional[List[float]] = None) -> List:
-    """Every averager steps at once (with its own of `timeouts` if given); each result is what step() returned or
-    the exception it raised."""
+def average_all(group: List, timeout: float = 30.0, timeouts: Optional[List[float]] = None,
+                weights: Optional[List[float]] = None) -> List:
+    """Every averager steps at once (with its own of `timeouts` and `weights` if given); each result is what step()
+    returned or the exception it raised."""
     results = [None] * len(group)
     timeouts = timeouts or [timeout] * len(group)
+    weights = weights or [None] * len(group)
 
     def step(index):
         def run():
             try:
-                results[index] = group[index].step(timeout=timeouts[index])
+                results[index] = group[index].step(timeout=timeouts[index], weight=weights[index])
             except hivemind.averaging.allreduce.AllreduceException as e:  # e.g. nobody would group with it
                 results[index] = e
         return run
@@ -78,7 +80,7 @@ def average_all(group: List, timeout: float = 30.0, timeouts: Optional[List[floa
 def test_honest_averagers_leave_a_scaled_contribution_out_report_it_and_refuse_the_sender_once_excluded():
     honest = [honest_values(seed) for seed in range(PEERS - 1)]
     values = [tensor.clone() for tensor in honest] + [honest_values(99) * 1e4]
-    defences = [Defence(RobustPolicy()) for _ in range(PEERS)]
+    defences = [Defence(RobustPolicy(rule="mean")) for _ in range(PEERS)]  # what is left is the honest mean
     with averagers(values, defences) as group:
         assert all(isinstance(result, dict) for result in average_all(group))
         honest_mean = sum(honest) / len(honest)
@@ -109,6 +111,35 @@ def test_honest_averagers_leave_a_scaled_contribution_out_report_it_and_refuse_t
         for averager, own in zip(group, honest):
             with averager.get_tensors() as tensors:
                 assert_parts_averaged_or_kept(tensors[0], honest_mean, own)
+
+
+@pytest.mark.timeout(120)
+def test_a_sign_flipped_over_claimer_of_three_is_outvoted_capped_and_reported():
+    """The default rule and the weight bound: the median of three leaves the honest peers' result among their own
+    values, and the liar's claim (ten times a batch, with a target of three batches) is an offence at every honest
+    reducer, though its capped contribution was used."""
+    honest = [honest_values(seed) for seed in range(2)]
+    liar = -honest_values(2)  # flipped, of an honest norm: no check drops it
+    batch = 16.0
+    defences = [Defence(RobustPolicy()) for _ in range(3)]
+    with averagers([*[tensor.clone() for tensor in honest], liar], defences, prefix="robust_weights",
+                   stages=[WeightBound(target_batch_size=3 * int(batch))]) as group:
+        results = average_all(group, weights=[batch, batch, 10 * batch])
+        assert all(isinstance(result, dict) for result in results), results
+        low, high = torch.minimum(*honest), torch.maximum(*honest)
+        for averager in group[:2]:
+            with averager.get_tensors() as tensors:
+                # each part is the median, or where hivemind's round was partial the peer's own: honest either way
+                assert bool(((low <= tensors[0]) & (tensors[0] <= high)).all())
+
+        liar_id = group[-1].peer_id.to_base58()
+        for defence in defences[:2]:
+            verdicts = {verdict.peer: verdict for verdict in defence.take_verdicts(timeout=10.0)}
+            claim = verdicts.get(liar_id)
+            assert claim is not None and claim.offence == "weight-claim" and not claim.dropped, verdicts
+            assert claim.detail == "claimed 160 samples, counted 32, at most 64 plausible", claim
+            # a group of three cannot tell a sign flip, so an honest sender gets no verdict rather than a clean one
+            assert set(verdicts) == {liar_id}, verdicts
 
 
 def assert_parts_averaged_or_kept(result: torch.Tensor, mean: torch.Tensor, own: torch.Tensor) -> None:

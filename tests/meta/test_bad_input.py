@@ -100,6 +100,7 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "offload_optimizer": [lambda t: "sometimes"],
     "delay_updates": [lambda t: "yes please"],
     "robust_aggregation": [lambda t: "median"],
+    "robust_max_weight_share": [lambda t: "0.5", lambda t: "inf"],
     "robust_norm_ratio": [lambda t: "1"],
     "robust_min_cosine": [lambda t: "-2"],
     "robust_trim_fraction": [lambda t: "0.5"],

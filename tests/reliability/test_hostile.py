@@ -1,7 +1,8 @@
 """Hostile peers against a 3-peer honest swarm: one attacker at a time joins (4 peers), its contributions are
 dropped at the reducers and at least two of the three honest peers exclude it; the honest peers train on, end
 equal, with a falling loss. After them, while the honest peers train on, a peer whose clock runs an hour ahead
-joins, and says so."""
+joins, and says so. Then a group of three: two honest peers and one that claims ten times the samples it trains
+on, with a flipped loss; both honest peers exclude it for its claims, and train on equal."""
 from __future__ import annotations
 
 import asyncio
@@ -141,3 +142,46 @@ async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on
         assert all(bool(torch.isfinite(tensor).all()) for tensor in state.values())
     for state in states[1:]:
         assert max_parameter_difference(states[0], state) <= 1e-4
+
+
+@pytest.mark.timeout(480)
+async def test_two_honest_peers_outvote_and_exclude_a_peer_that_over_claims_its_samples(tmp_path: Path):
+    # issue 31: with the weighted mean, this peer's 10x claim made every round its own, "ok", and the honest peers
+    # ended at a validation loss of 13.5 (5.47 untrained). In groups of three the median outvotes it; wherever an
+    # honest peer reduces, its claim is capped to 2 x 48 / 3 = 32 samples and, above 64, is an offence.
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "48", fast=True) as swarm:
+        run = ("--min-peers", "3", "--max-epochs", str(EPOCHS), *swarm.ends_on_request())
+        first = await swarm.add(*run, name="a")
+        others = [await swarm.add(*run, name="b", ready=False),
+                  await swarm.add(*run, "--task", "tests.tasks_for_tests:make_overclaiming_task", name="liar",
+                                  ready=False)]
+        await asyncio.gather(*(peer.ready() for peer in others))
+        honest, liar = [first, others[0]], others[1]
+
+        def of_liar(event: PeerExcluded) -> bool:
+            return event.peer_id == liar.peer_id
+
+        await asyncio.gather(*(peer.wait_for(PeerExcluded, of_liar, timeout=240, what="the over-claimer excluded")
+                               for peer in honest))
+        for peer in honest:  # for its claims: in groups of three nothing else can be told
+            assert re.search(rf"excluding peer {liar.peer_id} .*\(weight-claim; last: claimed \d+ samples", peer.log())
+        liar.terminate()
+        checked_at = max(peer.epoch for peer in honest)
+        for peer in honest:
+            goal = (await peer.wait_for(Joined, timeout=10)).val_loss - RECOVERED
+
+            def recovered(event: EpochEnded, goal: float = goal) -> bool:
+                return event.epoch > checked_at and event.val_loss is not None and event.val_loss < goal
+
+            await peer.wait_for(EpochEnded, recovered, timeout=240, what=f"a validation loss below {goal:.2f}")
+        final_epoch = min(EPOCHS, swarm.end_soon(honest))
+        assert await liar.exit_code(timeout=60) == 0, liar.log_tail()
+        assert await swarm.all_exited(timeout=240, peers=honest) == [0, 0]
+
+    for name in ("a", "b"):
+        summary = json.loads((tmp_path / f"{name}.json").read_text())
+        assert summary["excluded_peers"] == [liar.peer_id], summary
+        assert summary["global_epoch"] == final_epoch and summary["val_loss_last"] < summary["val_loss_first"], summary
+    states = [peer.model_state() for peer in honest]
+    assert all(bool(torch.isfinite(tensor).all()) for tensor in states[0].values())
+    assert max_parameter_difference(*states) <= 1e-4

@@ -94,6 +94,11 @@ def test_every_problem_reported_in_one_pass(tmp_path: Path):
         ({"averaging_timeout_seconds": "0"}, "--averaging-timeout-seconds"),
         ({"batch_size": "64", "target_batch_size": "32"}, "--batch-size (64) is larger than --target-batch-size (32)"),
         ({"client_mode": True}, "--client-mode needs --initial-peers"),
+        (
+            {"robust_max_weight_share": "0.5"},
+            "--robust-max-weight-share (averaging.robust_max_weight_share) = '0.5' from flag "
+            "--robust-max-weight-share: Input should be greater than or equal to 1",
+        ),
     ],
 )
 def test_bad_values_name_the_flag(flags, expected):
