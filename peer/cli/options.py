@@ -41,8 +41,8 @@ TUNING = frozenset({
     "matchmaking_seconds_min", "matchmaking_seconds_max", "averaging_timeout_seconds_min",
     "averaging_timeout_seconds_max", "load_state_timeout_seconds", "min_peers_timeout_seconds",
     "load_state_compression", "adaptive_compression_threshold", "adaptive_large_codec", "topk_fraction",
-    "topk_value_bits", "robust_norm_ratio", "robust_min_cosine", "robust_trim_fraction", "exclude_after",
-    "exclude_window", "exclusion_seconds", "straggler_grace_min_seconds",
+    "topk_value_bits", "robust_norm_ratio", "robust_min_cosine", "robust_trim_fraction", "robust_max_weight_share",
+    "exclude_after", "exclude_window", "exclusion_seconds", "straggler_grace_min_seconds",
     "keep_checkpoints", "health_window_seconds", "log_format",
 })
 """Flags that most runs never change: listed by --help-all only, so that --help fits a reader."""
