@@ -38,6 +38,8 @@ class RobustPartReducer(GracefulPartReducer):
         self.defence, self.weight_bound = defence, weight_bound
         excluded = defence.excluded()
         self.excluded_senders = [index for index, peer in enumerate(self.sender_peer_ids) if peer in excluded]
+        # this peer's own contribution, which it trusts (None: it only reduces, as an auxiliary peer)
+        self.own_sender = next((index for index, peer in enumerate(self.sender_peer_ids) if peer == own_peer_id), None)
         self.contributions: List[Contribution] = []
         self.offences: Dict[int, Finding] = {}  # sender index -> its first offence (a drop before a weight claim)
         self.participated: set = set()
@@ -55,7 +57,7 @@ class RobustPartReducer(GracefulPartReducer):
     def finish_current_part(self) -> None:
         try:
             result, drops, fully_judged, capped = aggregate(self.contributions, self.defence.policy,
-                                                            self.excluded_senders, self.weight_bound)
+                                                            self.excluded_senders, self.weight_bound, self.own_sender)
         except NothingToAggregate as e:
             self.current_part_future.set_exception(AllreduceException(f"part {self.current_part_index}: {e}"))
             self.finalize()

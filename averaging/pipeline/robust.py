@@ -16,7 +16,10 @@ sender's contribution to that part, with its weight. Instead of averaging whatev
    from the consensus: a sign flip, or noise passed off as a gradient). Only where there is a consensus:
    if the median of those cosines is below DIRECTION_CONSENSUS, the contributions do not agree on a
    direction (noisy single-batch gradients late in training) and an honest one points away by chance:
-   on bytelm-tiny, in up to 6% of parts at one stage of training, which excluded an honest peer);
+   on bytelm-tiny, in up to 6% of parts at one stage of training, which excluded an honest peer). Neither
+   check is applied to a part where it would drop the reducer's own contribution: a peer trusts its own
+   gradient, and a median that it disagrees with may be a hostile majority's, against which the honest
+   peers would be dropped and excluded (three sign-flippers among five peers did that);
 5. combines what is left with `rule`: the weighted mean (hivemind's own), a coordinate-wise weighted
    trimmed mean (the default: with three or more contributions it trims at least one value from each end
    of every coordinate, so that with three it is their median and one hostile sender of three is
@@ -132,11 +135,11 @@ class NothingToAggregate(RuntimeError):
 
 
 def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, excluded: Sequence[int] = (),
-              bound: Optional[WeightBound] = None) -> Aggregate:
+              bound: Optional[WeightBound] = None, own: Optional[int] = None) -> Aggregate:
     """Combine the contributions to one part; return the result, what was dropped and why, whether
     every check that is on could run (with fewer than four contributions, or no consensus on a direction,
     a sign flip would have gone unseen), and whose weight was capped (where `bound` is given: the weights
-    are sample counts)."""
+    are sample counts). `own` is the sender that is this peer, whose contribution it trusts."""
     contributions = sorted(contributions, key=lambda item: item.sender)  # arrival order must not change a bit
     cap = bound.cap(sum(1 for item in contributions if _claims_samples(item))) if bound is not None else None
     drops: List[Drop] = []
@@ -153,7 +156,7 @@ def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, exclu
         kept.append(item)
     fully_judged = False
     if len(kept) >= 3:
-        kept, outliers, fully_judged = _drop_outliers(kept, policy)
+        kept, outliers, fully_judged = _drop_outliers(kept, policy, own)
         drops += outliers
     if not kept:
         raise NothingToAggregate(f"all {len(contributions)} contributions were dropped: {_describe(drops)}")
@@ -175,10 +178,13 @@ def _screen(item: Contribution, excluded: Sequence[int]) -> Optional[Drop]:
     return None
 
 
-def _drop_outliers(kept: List[Contribution], policy: RobustPolicy) -> Tuple[List[Contribution], List[Drop], bool]:
-    drops: List[Drop] = []
+def _drop_outliers(kept: List[Contribution], policy: RobustPolicy,
+                   own: Optional[int]) -> Tuple[List[Contribution], List[Drop], bool]:
+    """The norm check, then the direction check. A check that would drop `own` (this peer's contribution) is not
+    applied to the part: what it judges against, the others' median, is then not one this peer can trust (a
+    hostile majority's), and an honest peer that agrees with this one would be dropped, and excluded, with it."""
     norms = torch.stack([item.part.double().norm() for item in kept])
-    survivors = []
+    survivors, drops = [], []
     for index, item in enumerate(kept):
         others = torch.cat([norms[:index], norms[index + 1:]])
         typical = float(others.quantile(0.5))  # with two others, their mean (torch's median takes the lower)
@@ -186,6 +192,8 @@ def _drop_outliers(kept: List[Contribution], policy: RobustPolicy) -> Tuple[List
             drops.append(Drop(item.sender, "norm", f"norm {float(norms[index]):.3g} vs median {typical:.3g}"))
         else:
             survivors.append(item)
+    if any(drop.sender == own for drop in drops):
+        return kept, [], False
     if policy.min_cosine <= -1.0:
         return survivors, drops, True  # every check that is on has run
     if len(survivors) < MIN_SENDERS_FOR_DIRECTION:
@@ -194,9 +202,13 @@ def _drop_outliers(kept: List[Contribution], policy: RobustPolicy) -> Tuple[List
     judged = [cosine for cosine in cosines if cosine is not None]
     if not judged or float(torch.tensor(judged).quantile(0.5)) < DIRECTION_CONSENSUS:
         return survivors, drops, False  # no direction that the contributions agree on: nothing to judge against
+    away = [item.sender for item, cosine in zip(survivors, cosines)
+            if cosine is not None and cosine < policy.min_cosine]
+    if own in away:
+        return survivors, drops, False
     kept = []
     for item, cosine in zip(survivors, cosines):
-        if cosine is not None and cosine < policy.min_cosine:
+        if item.sender in away:
             drops.append(Drop(item.sender, "direction", f"cosine {cosine:.2f} to the others' median"))
         else:
             kept.append(item)

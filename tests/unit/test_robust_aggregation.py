@@ -152,3 +152,25 @@ def test_no_direction_is_judged_where_the_contributions_agree_on_none():
     agreeing = honest_parts(3, seed=4)
     _, drops, fully_judged, _ = aggregate(contributions([-agreeing[0] - agreeing[1], *agreeing]), POLICY)
     assert [(drop.sender, drop.reason) for drop in drops] == [(0, "direction")] and fully_judged
+
+
+@pytest.mark.parametrize("honest, hostile, reason", [
+    (2, 4, "direction"),  # colluders that send one flipped gradient between them: a consensus of their own
+    (2, 3, "norm"),  # a vanishing gradient: against its median, the honest ones are outsized
+])
+def test_a_reducer_never_drops_a_peer_for_disagreeing_with_a_hostile_majority_it_disagrees_with_too(
+        honest, hostile, reason):
+    """A hostile majority: against its median, the honest contributions are the outliers. An honest reducer, whose
+    own contribution the check would drop, judges nothing in that part rather than drop the other honest peer."""
+    parts = honest_parts(honest + hostile)
+    attack = -1.0 * parts[0] if reason == "direction" else 1e-6 * parts[0]
+    parts[honest:] = [attack.clone() for _ in range(hostile)]
+    at_a_hostile_reducer = aggregate(contributions(parts), POLICY, own=honest)
+    assert {(drop.sender, drop.reason) for drop in at_a_hostile_reducer.drops} == {(0, reason), (1, reason)}
+    at_an_honest_reducer = aggregate(contributions(parts), POLICY, own=0)
+    assert at_an_honest_reducer.drops == [] and not at_an_honest_reducer.fully_judged
+    # where this peer agrees with the majority, the checks run as before
+    parts = honest_parts(5)
+    parts[4] = -parts[4]
+    assert [(drop.sender, drop.reason) for drop in aggregate(contributions(parts), POLICY, own=0).drops] == [
+        (4, "direction")]
