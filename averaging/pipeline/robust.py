@@ -17,8 +17,8 @@ sender's contribution to that part, with its weight. Instead of averaging whatev
    if the median of those cosines is below DIRECTION_CONSENSUS, the contributions do not agree on a
    direction (noisy single-batch gradients late in training) and an honest one points away by chance:
    on bytelm-tiny, in up to 6% of parts at one stage of training, which excluded an honest peer). Neither
-   check is applied to a part where it would drop the reducer's own contribution: a peer trusts its own
-   gradient, and a median that it disagrees with may be a hostile majority's, against which the honest
+   check is applied to a part where it would drop the reducer's own contribution together with others: a
+   median that this peer and others disagree with may be a hostile majority's, against which the honest
    peers would be dropped and excluded (three sign-flippers among five peers did that);
 5. combines what is left with `rule`: the weighted mean (hivemind's own), a coordinate-wise weighted
    trimmed mean (the default: with three or more contributions it trims at least one value from each end
@@ -180,9 +180,11 @@ def _screen(item: Contribution, excluded: Sequence[int]) -> Optional[Drop]:
 
 def _drop_outliers(kept: List[Contribution], policy: RobustPolicy,
                    own: Optional[int]) -> Tuple[List[Contribution], List[Drop], bool]:
-    """The norm check, then the direction check. A check that would drop `own` (this peer's contribution) is not
-    applied to the part: what it judges against, the others' median, is then not one this peer can trust (a
-    hostile majority's), and an honest peer that agrees with this one would be dropped, and excluded, with it."""
+    """The norm check, then the direction check. A check that would drop `own` (this peer's contribution) together
+    with others is not applied to the part: what it judges against, the others' median, is then not one this peer
+    can trust (a hostile majority's), and the honest peers that agree with this one would be dropped, and
+    excluded, with it. A check that would drop `own` alone applies: this peer is the outlier (a faulty gradient
+    must not reach the swarm through its own reducer)."""
     norms = torch.stack([item.part.double().norm() for item in kept])
     survivors, drops = [], []
     for index, item in enumerate(kept):
@@ -192,7 +194,7 @@ def _drop_outliers(kept: List[Contribution], policy: RobustPolicy,
             drops.append(Drop(item.sender, "norm", f"norm {float(norms[index]):.3g} vs median {typical:.3g}"))
         else:
             survivors.append(item)
-    if any(drop.sender == own for drop in drops):
+    if _among_others(own, [drop.sender for drop in drops]):
         return kept, [], False
     if policy.min_cosine <= -1.0:
         return survivors, drops, True  # every check that is on has run
@@ -204,7 +206,7 @@ def _drop_outliers(kept: List[Contribution], policy: RobustPolicy,
         return survivors, drops, False  # no direction that the contributions agree on: nothing to judge against
     away = [item.sender for item, cosine in zip(survivors, cosines)
             if cosine is not None and cosine < policy.min_cosine]
-    if own in away:
+    if _among_others(own, away):
         return survivors, drops, False
     kept = []
     for item, cosine in zip(survivors, cosines):
@@ -213,6 +215,10 @@ def _drop_outliers(kept: List[Contribution], policy: RobustPolicy,
         else:
             kept.append(item)
     return kept, drops, True
+
+
+def _among_others(own: Optional[int], dropped: List[int]) -> bool:
+    return own in dropped and len(dropped) > 1
 
 
 def _cosines_to_the_others(items: List[Contribution]) -> List[Optional[float]]:

@@ -169,8 +169,10 @@ def test_a_reducer_never_drops_a_peer_for_disagreeing_with_a_hostile_majority_it
     assert {(drop.sender, drop.reason) for drop in at_a_hostile_reducer.drops} == {(0, reason), (1, reason)}
     at_an_honest_reducer = aggregate(contributions(parts), POLICY, own=0)
     assert at_an_honest_reducer.drops == [] and not at_an_honest_reducer.fully_judged
-    # where this peer agrees with the majority, the checks run as before
+    # where this peer agrees with the majority, the checks run as before; and where it is the outlier alone (a
+    # faulty gradient), its own reducer leaves it out too
     parts = honest_parts(5)
     parts[4] = -parts[4]
-    assert [(drop.sender, drop.reason) for drop in aggregate(contributions(parts), POLICY, own=0).drops] == [
-        (4, "direction")]
+    for own in (0, 4):
+        assert [(drop.sender, drop.reason) for drop in aggregate(contributions(parts), POLICY, own=own).drops] == [
+            (4, "direction")]
