@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, List, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ContextManager, Iterable, List, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -41,6 +41,8 @@ class RoundReport:
     grace window (averaging/pipeline/stragglers.py); this peer still received the group's average."""
     judged_slow: bool = False
     """Its group found this peer's replies late in earlier rounds and gave it nothing to reduce in this one."""
+    peers: Tuple[str, ...] = ()
+    """The group's peer ids (base58), this peer's among them, where the round formed one."""
 
     @property
     def late(self) -> bool:
@@ -146,6 +148,10 @@ class LoopOptimizer(SwarmProgress, Protocol):
         """Account one local batch (gradients are in the parameters' .grad); may average or download."""
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def refuse(self, peers: Iterable[str]) -> None:
+        """Stop averaging with these peers (base58) and taking state from them, for the rest of the run (this peer
+        found the updates of their groups harmful: averaging/pipeline/update_check.py)."""
 
     def wait_for_background_updates(self) -> None:
         """Apply any in-flight background update, so that the parameters are final (before a checkpoint)."""

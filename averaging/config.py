@@ -225,6 +225,20 @@ class AveragingConfig(BaseModel):
         gt=0,
         description="How long an excluded peer stays excluded; unset: for the rest of the run.",
     )
+    harmful_update_rise: float = Field(
+        default=0.02,
+        ge=0,
+        description="An averaged update that raises this peer's held-out (validation) loss by more than this "
+        "fraction is harmful; after --harmful-updates of the last --harmful-update-window, this peer stops averaging "
+        "with the peers of those rounds (a hostile majority). 0 turns the check off.",
+    )
+    harmful_updates: int = Field(
+        default=3, ge=1, description="How many harmful averaged updates (see --harmful-update-rise) make this peer "
+        "refuse the peers it averaged with in them."
+    )
+    harmful_update_window: int = Field(
+        default=5, ge=1, description="How many of the most recent averaged updates --harmful-updates counts in."
+    )
     straggler_grace_ratio: float = Field(
         default=1.0,
         ge=0,
@@ -311,6 +325,12 @@ class AveragingConfig(BaseModel):
             raise ValueError(
                 f"--exclude-after ({self.exclude_after}) is larger than --exclude-window ({self.exclude_window}), so "
                 f"nobody could ever be excluded; lower the first or raise the second"
+            )
+        if self.harmful_updates > self.harmful_update_window:
+            raise ValueError(
+                f"--harmful-updates ({self.harmful_updates}) is larger than --harmful-update-window "
+                f"({self.harmful_update_window}), so no update could ever count as enough; lower the first or raise "
+                f"the second"
             )
         if self.delay_updates and not self.offload_optimizer:
             raise ValueError(

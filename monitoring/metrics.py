@@ -163,6 +163,15 @@ class PeerMetrics:
             "Peers this peer excluded from averaging and state sharing after repeated dropped contributions.",
             registry=r,
         )
+        self.harmful_updates = Counter(
+            "peer_harmful_updates",
+            "Averaged updates that raised this peer's held-out loss past --harmful-update-rise, counted when it "
+            "acted on them (refused the peers of those rounds).", registry=r,
+        )
+        self.refused_peers = Counter(
+            "peer_refused_peers",
+            "Peers this peer stopped averaging with because the updates of their groups were harmful.", registry=r,
+        )
         self.state_agrees = Gauge(
             "peer_state_agrees",
             "1 while this peer's state digest is the swarm's at the last epoch compared, 0 while it is apart; "
@@ -278,6 +287,11 @@ class PeerMetrics:
     def record_exclusion(self) -> None:
         """This peer excluded another one."""
         self.exclusions.inc()
+
+    def record_harmful_updates(self, updates: int, peers: int) -> None:
+        """This peer acted on `updates` harmful averaged updates by refusing `peers` peers."""
+        self.harmful_updates.inc(updates)
+        self.refused_peers.inc(peers)
 
     def record_state_check(self, agrees: bool) -> None:
         """This peer compared its state digest with the swarm's (once per change, and per epoch it is apart)."""

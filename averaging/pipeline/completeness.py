@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
-from typing import FrozenSet
+from typing import FrozenSet, Tuple
 
 from averaging.api import RoundReport
 from averaging.pipeline import round_pipeline
@@ -82,11 +82,11 @@ def missing_fraction(averager) -> float:
     return 0.0 if stage is None else stage.missing_fraction()
 
 
-def round_report(averager, seconds: float, group_size: int) -> RoundReport:
+def round_report(averager, seconds: float, group_size: int, peers: Tuple[str, ...] = ()) -> RoundReport:
     """The report of a round whose result is in: ok, or partial if some of the average never arrived; with the
-    share of this peer's contribution that was left out as late."""
+    share of this peer's contribution that was left out as late, and the group's peer ids."""
     stage = round_pipeline.of(averager).stage(Completeness) or Completeness()
-    timing = dict(left_out=stage.left_out_fraction(), judged_slow=stage.judged_slow())
+    timing = dict(left_out=stage.left_out_fraction(), judged_slow=stage.judged_slow(), peers=peers)
     missing = stage.missing_fraction()
     if not missing:
         return RoundReport("ok", seconds, group_size, **timing)

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
 from averaging.pipeline.defence import Defence, Verdict
 
@@ -87,6 +87,8 @@ class ExclusionWatch:
                  on_exclude: Callable[[str], None] = lambda peer: None):
         self.defence, self.book = defence, book
         self.on_drop, self.on_exclude = on_drop, on_exclude
+        self._refused: Set[str] = set()  # refused for harmful updates (averaging/pipeline/update_check.py)
+        self._lock = threading.Lock()  # refuse() comes from the training thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="exclusion-watch", daemon=True)
         self._thread.start()
@@ -113,7 +115,17 @@ class ExclusionWatch:
             logger.info(f"peer {peer} is no longer excluded (its {self.book.rule.seconds:g} s are over)")
             changed = True
         if changed:
-            self.defence.set_excluded(self.book.excluded)
+            self._share()
+
+    def refuse(self, peers: Iterable[str]) -> None:
+        """Refuse these peers (base58) for the rest of the run, as if excluded, with no verdict on any of them."""
+        with self._lock:
+            self._refused.update(peers)
+        self._share()
+
+    def _share(self) -> None:
+        with self._lock:
+            self.defence.set_excluded(sorted(set(self.book.excluded) | self._refused))
 
     def close(self, timeout_seconds: float = 2.0) -> None:
         self._stop.set()

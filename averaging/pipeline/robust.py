@@ -8,7 +8,7 @@ sender's contribution to that part, with its weight. Instead of averaging whatev
 3. where the averager's weights are sample counts (its pipeline carries a WeightBound), caps each weight at
    `max_share` times an equal share of the target batch among the part's senders: a sender cannot buy itself
    the round by claiming samples it never trained on. The capped contribution is still used; a claim above
-   OFFENCE_FACTOR times the cap is an offence (a WeightClaim finding, not a drop);
+   OFFENCE_TARGETS whole target batches is an offence (a WeightClaim finding, not a drop);
 4. with at least three finite contributions (fewer cannot outvote anyone), drops one whose L2 norm is
    more than `norm_ratio` times the median of the others' norms; then, with at least four left (the
    median of two others is no center: honest single-batch gradients were dropped that way), one whose
@@ -47,14 +47,13 @@ DIRECTION_CONSENSUS = 0.2
 on 4 single-batch bytelm-tiny gradients over 7 stages of training: honest parts below min_cosine fell from up to 6.2%
 to at most 0.7% of judged parts, and a sign flip is still dropped in 36 to 100% of them (it was 49 to 100%)."""
 CENTERED_CLIP_ITERATIONS = 5
-OFFENCE_FACTOR = 2.0
-"""A weight claim is an offence only above this many times its cap, that is (with the default max_share of 2) above
-four times an equal share of the target. Honest claims exceed an equal share: a fast peer accumulates more of the
-target than a slow one, and a peer that sees the others' progress late accumulates on. One peer r times as fast as
-each of n-1 others claims r/(n-1+r) of the target, above 4/n of it only where r(n-4) > 4(n-1): never in groups of
-up to four, and never for r <= 4 in any group; in groups of up to four an honest claim would have to exceed the
-whole target. The cap itself (2x an equal share) may trim a fast honest peer's weight a little, which is no
-offence."""
+OFFENCE_TARGETS = 2.0
+"""A weight claim is an offence only above this many whole target batches. The cap (an equal share times
+max_share) trims what an honest fast peer counts for, but honest claims can reach the whole target: a peer that
+sees the others' progress late accumulates on until the round starts (in a loaded 5-peer swarm on 2 cores, an
+honest peer claimed the whole target of 48 in a group of five, where four equal shares are 38). More than the
+whole target twice over, a peer can only claim for samples it never trained on, since the round starts once the
+swarm has the target."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,11 @@ class WeightBound(RoundStage):
     def cap(self, senders: int) -> float:
         """The most weight one of `senders` contributions that claim samples is counted with."""
         return self.max_share * self.target_batch_size / max(1, senders)
+
+    @property
+    def plausible(self) -> float:
+        """The most samples one sender can claim without an offence."""
+        return OFFENCE_TARGETS * self.target_batch_size
 
 
 @dataclass(frozen=True)
@@ -107,16 +111,16 @@ class WeightClaim:
     sender: int
     claimed: float
     cap: float
+    plausible: float  # the most a sender can claim without an offence: OFFENCE_TARGETS target batches
     reason: ClassVar[str] = "weight-claim"
 
     @property
     def is_offence(self) -> bool:
-        return self.claimed > OFFENCE_FACTOR * self.cap
+        return self.claimed > self.plausible
 
     @property
     def detail(self) -> str:
-        return (f"claimed {self.claimed:.0f} samples, counted {self.cap:.0f}, at most "
-                f"{OFFENCE_FACTOR * self.cap:.0f} plausible")
+        return f"claimed {self.claimed:.0f} samples, counted {self.cap:.0f}, at most {self.plausible:.0f} plausible"
 
 
 Finding = Union[Drop, WeightClaim]
@@ -151,7 +155,7 @@ def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, exclu
             drops.append(drop)
             continue
         if cap is not None and item.weight > cap:
-            capped.append(WeightClaim(item.sender, item.weight, cap))
+            capped.append(WeightClaim(item.sender, item.weight, cap, bound.plausible))
             item = replace(item, weight=cap)
         kept.append(item)
     fully_judged = False

@@ -76,6 +76,9 @@ class SharesState(ReportsProgress):
     def load_state_from_donor_ahead(self) -> bool:
         return self._donors().ahead and self.load_state_from_peers()
 
+    def refuse(self, peers: Iterable[str]) -> None:
+        self.rounds.refuse(peers)
+
     def offer_final_state(self) -> bool:
         self.wait_for_background_updates()
         self._record_state(reference=True)

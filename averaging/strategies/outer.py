@@ -89,7 +89,7 @@ def collect_round(averager: DecentralizedAverager, flight: OuterRound) -> Tuple[
     if not all_finite(averaged):  # a peer sent NaN/Inf: never apply it
         logger.warning("the averaged pseudo-gradients hold NaN or Inf; using this peer's own")
         return RoundReport("failed", seconds, len(gathered), "non-finite result"), flight.pseudo_grads
-    report = completeness.round_report(averager, seconds, len(gathered))
+    report = completeness.round_report(averager, seconds, len(gathered), tuple(peer.to_base58() for peer in gathered))
     if report.outcome == "partial":  # still nearer the swarm's than this peer's own
         logger.warning(f"outer averaging round partial ({report.reason})")
     return report, averaged

@@ -74,6 +74,11 @@ class RoundKeeper:
             return frozenset()
         return frozenset(peer.to_bytes() for peer in self.exclusion.defence.excluded())
 
+    def refuse(self, peers: Iterable[str]) -> None:
+        """Refuse these peers (base58) in matchmaking and state sharing for the rest of the run."""
+        if self.exclusion is not None:
+            self.exclusion.refuse(peers)
+
     def close(self) -> None:
         """After the averagers have stopped."""
         if self.exclusion is not None:

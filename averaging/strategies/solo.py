@@ -13,7 +13,7 @@ loads nothing, and no peer offers a final state when it leaves.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Iterable, Optional
 
 from hivemind.optim.progress_tracker import ProgressTracker
 
@@ -63,6 +63,9 @@ class SoloOptimizer(ReportsProgress):
 
     def wait_for_background_updates(self) -> None:
         """Nothing runs in the background."""
+
+    def refuse(self, peers: Iterable[str]) -> None:
+        """It averages with nobody, so there is nothing to refuse (and no averaged update is ever judged)."""
 
     def state_dict(self) -> dict:
         """The optimizer's state, with the epoch inside it, where hivemind.Optimizer keeps it too (so that a

@@ -172,15 +172,15 @@ class SyncOptimizer(SharesState, HookedOptimizer):
             else:
                 try:
                     self.rounds.hooks.before_round(self.local_epoch)
-                    group_info = maybe_step_control.result(self.averaging_timeout)
+                    gathered = maybe_step_control.result(self.averaging_timeout)  # by the group's peer ids
                     with self.grad_averager.get_tensors() as averaged:
                         finite = all_finite(averaged)
                     if finite:  # a partial average is still nearer the swarm's than this peer's own gradients
                         use_averaged()
                         report = completeness.round_report(self.grad_averager, time.monotonic() - started,
-                                                           len(group_info))
+                                                           len(gathered), tuple(peer.to_base58() for peer in gathered))
                     else:  # a peer sent NaN/Inf: never apply it
-                        report = RoundReport("failed", time.monotonic() - started, len(group_info),
+                        report = RoundReport("failed", time.monotonic() - started, len(gathered),
                                              "the averaged gradients hold NaN or Inf")
                 except TimeoutError as e:
                     report = RoundReport("timeout", time.monotonic() - started, 1, repr(e))

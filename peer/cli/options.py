@@ -42,7 +42,8 @@ TUNING = frozenset({
     "averaging_timeout_seconds_max", "load_state_timeout_seconds", "min_peers_timeout_seconds",
     "load_state_compression", "adaptive_compression_threshold", "adaptive_large_codec", "topk_fraction",
     "topk_value_bits", "robust_norm_ratio", "robust_min_cosine", "robust_trim_fraction", "robust_max_weight_share",
-    "exclude_after", "exclude_window", "exclusion_seconds", "straggler_grace_min_seconds",
+    "exclude_after", "exclude_window", "exclusion_seconds", "harmful_update_rise", "harmful_updates",
+    "harmful_update_window", "straggler_grace_min_seconds",
     "keep_checkpoints", "health_window_seconds", "log_format",
 })
 """Flags that most runs never change: listed by --help-all only, so that --help fits a reader."""

@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry
 from averaging import adapter
 from averaging.api import Replica, SessionOptimizer
 from averaging.codecs.compression import round_codec, round_payload_bytes
+from averaging.config import AveragingConfig
+from averaging.pipeline.update_check import UpdateCheck, UpdateCheckRule
 from averaging.registry import STRATEGIES
 from averaging.strategies.factory import build_swarm_optimizer, progress_record_ttl_seconds
 from averaging.swarm.progress import clock_skew_allowed
@@ -79,6 +81,14 @@ class Monitoring:
     observer: TrainingObserver
     port: Optional[int] = None
     """Where /metrics is served; None with --metrics-port off."""
+
+
+def update_check(config: AveragingConfig, own_peer_id: str) -> Optional[UpdateCheck]:
+    """How this peer judges the swarm's averaged updates by its held-out loss; None with --harmful-update-rise 0."""
+    if config.harmful_update_rise <= 0:
+        return None
+    rule = UpdateCheckRule(config.harmful_update_rise, config.harmful_updates, config.harmful_update_window)
+    return UpdateCheck(rule, own_peer_id)
 
 
 class PeerBuilder:
@@ -186,7 +196,8 @@ class PeerBuilder:
         self._join_run(dht, task.name, model)
         payload_bytes = round_payload_bytes(config.averaging, list(model.parameters()),
                                             opt_statistics=len(config.averaging.average_opt_statistics))
-        rounds = RoundTally(summary, monitoring.observer, payload_bytes)
+        rounds = RoundTally(summary, monitoring.observer, payload_bytes,
+                            update_check(config.averaging, summary.peer_id))
         optimizer = build_swarm_optimizer(config.averaging, Replica(
             dht=dht, keys=self.keys, params=model.parameters(), optimizer_factory=task.build_optimizer,
             scheduler_factory=task.build_scheduler, batch_size=batch_size, client_mode=config.dht.client_mode,

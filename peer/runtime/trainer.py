@@ -26,6 +26,7 @@ import torch
 
 from averaging.api import AveragingHooks, LoopOptimizer, RoundReport
 from averaging.codecs.compression import bytes_moved
+from averaging.pipeline.update_check import UpdateCheck, refused_peers_line
 from monitoring import PhaseTimer
 from peer.checkpoint.store import CheckpointError, CheckpointStore
 from peer.config import PeerConfig
@@ -54,9 +55,11 @@ class TrainingDiverged(RuntimeError):
 class RoundTally:
     """Where the optimizer's reports go: the summary's counters and the observer."""
 
-    def __init__(self, summary: PeerSummary, observer: TrainingObserver, payload_bytes: int):
+    def __init__(self, summary: PeerSummary, observer: TrainingObserver, payload_bytes: int,
+                 update_check: Optional[UpdateCheck] = None):
         self.summary, self.observer = summary, observer
         self.payload_bytes = payload_bytes  # after compression: one contribution and the replies to it
+        self.update_check = update_check  # None: averaged updates are not judged
         self.last_outcome: Optional[str] = None
         self.state: Optional[str] = None  # "agrees" or "apart": the last comparison with the swarm's state
 
@@ -76,6 +79,8 @@ class RoundTally:
         self.summary.averaging_sent_bytes += bytes_moved(self.payload_bytes, report.group_size, report.outcome)
         if report.left_out > 0:
             self.summary.late_contributions += 1
+        if self.update_check is not None:
+            self.update_check.round_finished(report)
         self.observer.on_round(report, self.payload_bytes)
 
     def on_reducing_changed(self, reduces: bool) -> None:
@@ -84,9 +89,22 @@ class RoundTally:
         self.observer.on_reducing_changed(reduces)
 
     def on_state_loaded(self, epoch: int) -> None:
+        if self.update_check is not None:
+            self.update_check.state_loaded()
         self.summary.state_downloads += 1
         logger.info(f"downloaded the swarm's state: now at epoch {epoch}")
         self.observer.on_state_loaded(epoch)
+
+    def judge_update(self, epoch: int, held_out_loss: Optional[float], optimizer: LoopOptimizer) -> None:
+        """After a global epoch: whether the averaged update it applied raised the held-out loss; after repeated
+        harmful updates, refuse the peers of those rounds (averaging/pipeline/update_check.py)."""
+        found = None if self.update_check is None else self.update_check.epoch_ended(epoch, held_out_loss)
+        if found is None:
+            return
+        logger.warning(refused_peers_line(found))
+        optimizer.refuse(found.peers)
+        self.summary.refused_peers.extend(sorted(found.peers))
+        self.observer.on_harmful_updates(found)
 
     # the three below are called from background threads (the digest watch, the exclusion watch)
     def on_state_check(self, check) -> None:
@@ -244,6 +262,7 @@ class Trainer:
         self.model.train()
         batches = endless(self.train_loader)
         val_loss = self.validate()
+        self.rounds.judge_update(self.optimizer.local_epoch, val_loss, self.optimizer)  # the first baseline
         self.summary.val_loss_first = self.summary.val_loss_last = val_loss
         self.summary.global_epoch = self._epoch_finished = self.optimizer.local_epoch
         self.observer.on_joined(self.optimizer.local_epoch, self.optimizer.swarm_view().peers, val_loss)
@@ -353,6 +372,7 @@ class Trainer:
     def _finish_epoch(self, stats: EpochStats) -> None:
         epoch = self.optimizer.local_epoch
         val_loss = self.validate()
+        self.rounds.judge_update(epoch, val_loss, self.optimizer)
         self.summary.global_epoch = epoch
         self.summary.val_loss_last = val_loss
         view = self.optimizer.swarm_view()

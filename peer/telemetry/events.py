@@ -122,6 +122,17 @@ class PeerExcluded(Event):
     """The excluded peer, not this one."""
 
 
+class UpdatesRefused(Event):
+    """Averaged updates raised this peer's held-out loss in `epochs`: it stopped averaging with, and taking state
+    from, the peers of those rounds (averaging/pipeline/update_check.py); no verdict on any one of them."""
+
+    event: Literal["updates_refused"] = "updates_refused"
+    peers: List[str]
+    epochs: List[int]
+    losses: List[List[float]]
+    """Per epoch: the held-out loss before the update, and after it."""
+
+
 class StateChecked(Event):
     """This peer compared its state digest with the digests other peers published for `epoch`
     (averaging/swarm/digests.py); emitted when whether it agrees changes."""
@@ -175,7 +186,8 @@ class Exited(Event):
 
 AnyEvent = Annotated[
     Union[Ready, Joined, StateDownloaded, EpochEnded, RoundEnded, CheckpointWritten, BottleneckChanged,
-          PeerExcluded, StateChecked, DownloadRejected, ReducingChanged, SwarmSplit, SwarmRejoined, Leaving, Exited],
+          PeerExcluded, UpdatesRefused, StateChecked, DownloadRejected, ReducingChanged, SwarmSplit, SwarmRejoined,
+          Leaving, Exited],
     Field(discriminator="event"),
 ]
 _ANY_EVENT = TypeAdapter(AnyEvent)

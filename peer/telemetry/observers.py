@@ -27,6 +27,7 @@ from peer.telemetry.events import (
     StateDownloaded,
     SwarmRejoined,
     SwarmSplit,
+    UpdatesRefused,
 )
 from peer.telemetry.reports import EpochReport, TrainingObserver
 
@@ -88,6 +89,9 @@ class MetricsObserver(TrainingObserver):
     def on_exclusion(self, peer_id: str) -> None:
         self.metrics.record_exclusion()
 
+    def on_harmful_updates(self, found) -> None:
+        self.metrics.record_harmful_updates(len(found.epochs), len(found.peers))
+
     def on_state_check(self, check) -> None:
         self.metrics.record_state_check(check.agrees)
 
@@ -126,6 +130,10 @@ class EventsObserver(TrainingObserver):
 
     def on_exclusion(self, peer_id: str) -> None:
         self.events.emit(PeerExcluded(peer_id=peer_id))
+
+    def on_harmful_updates(self, found) -> None:
+        self.events.emit(UpdatesRefused(peers=sorted(found.peers), epochs=[epoch for epoch, _, _ in found.epochs],
+                                        losses=[[before, after] for _, before, after in found.epochs]))
 
     def on_state_check(self, check) -> None:
         self.events.emit(StateChecked(epoch=check.epoch, agrees=check.agrees, peers=check.peers,
@@ -192,6 +200,10 @@ class Observers(TrainingObserver):
     def on_exclusion(self, peer_id: str) -> None:
         for observer in self.observers:
             observer.on_exclusion(peer_id)
+
+    def on_harmful_updates(self, found) -> None:
+        for observer in self.observers:
+            observer.on_harmful_updates(found)
 
     def on_state_check(self, check) -> None:
         for observer in self.observers:

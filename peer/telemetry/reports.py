@@ -52,6 +52,10 @@ class TrainingObserver:
 
     def on_exclusion(self, peer_id: str) -> None: ...
 
+    def on_harmful_updates(self, found) -> None:
+        """Averaged updates raised this peer's held-out loss repeatedly: it refuses the peers of those rounds
+        (averaging/pipeline/update_check.py HarmfulUpdates)."""
+
     def on_state_check(self, check) -> None:
         """This peer compared its state with the swarm's (averaging/swarm/digests.py StateCheck)."""
 

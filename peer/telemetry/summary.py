@@ -47,6 +47,9 @@ class PeerSummary(BaseModel):
     """Other peers' contributions this peer's reducers left out (NaN/Inf, or far out by norm or direction)."""
     excluded_peers: List[str] = Field(default_factory=list)
     """Peers this peer excluded from averaging and state sharing, in order."""
+    refused_peers: List[str] = Field(default_factory=list)
+    """Peers this peer stopped averaging with because the updates of their groups raised its held-out loss
+    (averaging/pipeline/update_check.py), in order: no verdict on any one of them."""
     state_disagreements: int = 0
     """Epochs at which this peer found its state apart from the swarm's (averaging/swarm/digests.py)."""
     rejected_downloads: int = 0

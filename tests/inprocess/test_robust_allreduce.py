@@ -137,7 +137,7 @@ def test_a_sign_flipped_over_claimer_of_three_is_outvoted_capped_and_reported():
             verdicts = {verdict.peer: verdict for verdict in defence.take_verdicts(timeout=10.0)}
             claim = verdicts.get(liar_id)
             assert claim is not None and claim.offence == "weight-claim" and not claim.dropped, verdicts
-            assert claim.detail == "claimed 160 samples, counted 32, at most 64 plausible", claim
+            assert claim.detail == "claimed 160 samples, counted 32, at most 96 plausible", claim
             # a group of three cannot tell a sign flip, so an honest sender gets no verdict rather than a clean one
             assert set(verdicts) == {liar_id}, verdicts
 

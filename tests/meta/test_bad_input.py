@@ -107,6 +107,9 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "exclude_after": [lambda t: "0"],
     "exclude_window": [lambda t: "0"],
     "exclusion_seconds": [lambda t: "-5"],
+    "harmful_update_rise": [lambda t: "-0.1", lambda t: "often"],
+    "harmful_updates": [lambda t: "0"],
+    "harmful_update_window": [lambda t: "0"],
     "straggler_grace_ratio": [lambda t: "-1", lambda t: "soon"],
     "straggler_grace_min_seconds": [lambda t: "0"],
 }

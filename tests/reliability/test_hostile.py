@@ -148,7 +148,8 @@ async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on
 async def test_two_honest_peers_outvote_and_exclude_a_peer_that_over_claims_its_samples(tmp_path: Path):
     # issue 31: with the weighted mean, this peer's 10x claim made every round its own, "ok", and the honest peers
     # ended at a validation loss of 13.5 (5.47 untrained). In groups of three the median outvotes it; wherever an
-    # honest peer reduces, its claim is capped to 2 x 48 / 3 = 32 samples and, above 64, is an offence.
+    # honest peer reduces, its claim is capped to 2 x 48 / 3 = 32 samples and, above twice the target (96), is an
+    # offence.
     async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "48", fast=True) as swarm:
         run = ("--min-peers", "3", "--max-epochs", str(EPOCHS), *swarm.ends_on_request())
         first = await swarm.add(*run, name="a")

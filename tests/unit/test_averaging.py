@@ -102,6 +102,7 @@ def test_unknown_codec_names_the_choices():
         ({"matchmaking_seconds_min": "10", "matchmaking_seconds_max": "2"},
          "--matchmaking-seconds-min (10.0) is larger than --matchmaking-seconds-max (2.0)"),
         ({"outer_momentum": "1"}, "--outer-momentum"),
+        ({"harmful_updates": "6"}, "--harmful-updates (6) is larger than --harmful-update-window (5)"),
         ({"load_state_compression": "fp16"}, "--load-state-compression fp16 loses precision, but with --averaging "
                                              "sync a downloaded state must equal its donor's bit for bit"),
     ],

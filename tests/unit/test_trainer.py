@@ -17,12 +17,14 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from torch import nn
 
 import peer.runtime.trainer as trainer_module
 from averaging.api import AveragingHooks, RoundReport, SwarmOptimizer, SwarmView
 from averaging.deadlines import Deadlines
-from monitoring import PhaseTimer
+from averaging.pipeline.update_check import UpdateCheck, UpdateCheckRule
+from monitoring import BottleneckClassifier, HealthCheck, PeerMetrics, PhaseTimer
 from peer.checkpoint.store import CheckpointStore
 from peer.config import PeerConfig, load_config
 from peer.process.signals import StopRequest
@@ -38,6 +40,8 @@ from peer.runtime.trainer import (
 )
 from peer.tasks import Task, load_task
 from peer.tasks.data import make_loader
+from peer.telemetry.events import EventLog, UpdatesRefused, read_events
+from peer.telemetry.observers import EventsObserver, MetricsObserver, Observers
 from peer.telemetry.summary import PeerSummary
 from tests.tasks_for_tests import FEATURES, SyntheticDataset, mse_loss, sgd
 
@@ -135,6 +139,9 @@ class FakeOptimizer:
 
     def wait_for_background_updates(self) -> None:
         self.calls.append("wait_for_background_updates")
+
+    def refuse(self, peers) -> None:
+        self.calls.append(("refuse", sorted(peers)))
 
     def state_dict(self) -> dict:
         self.calls.append("state_dict")
@@ -625,6 +632,29 @@ def test_the_round_tally_hooks_feed_the_tally_and_time_phases_on_the_timer():
     assert summary.state_downloads == 2
     assert timer.totals()["averaging"] == 2.0
 
+
+
+def test_the_round_tally_refuses_the_peers_of_harmful_updates_and_reports_it(tmp_path):
+    """judge_update: after repeated harmful averaged updates, the optimizer refuses their peers, the summary lists
+    them, the metrics count them and the events file says so, once."""
+    registry = CollectorRegistry()
+    events = EventLog(tmp_path / "events.jsonl")
+    observer = Observers(MetricsObserver(PeerMetrics(registry), BottleneckClassifier(), HealthCheck(60)),
+                         EventsObserver(events))
+    summary = PeerSummary(run_id="unit", task="unit-mlp")
+    tally = RoundTally(summary, observer, PAYLOAD_BYTES, UpdateCheck(UpdateCheckRule(0.02, 2, 3), "me"))
+    refused = []
+    optimizer = SimpleNamespace(refuse=lambda peers: refused.append(sorted(peers)))
+    tally.judge_update(0, 5.0, optimizer)
+    for epoch, loss in enumerate([5.5, 6.0, 7.0], start=1):
+        tally.on_round(RoundReport("ok", 1.0, 3, peers=("me", "b", "c")))
+        tally.judge_update(epoch, loss, optimizer)
+    assert refused == [["b", "c"]] and summary.refused_peers == ["b", "c"]
+    assert registry.get_sample_value("peer_harmful_updates_total") == 2
+    assert registry.get_sample_value("peer_refused_peers_total") == 2
+    written = [event for event in read_events(tmp_path / "events.jsonl")[0] if isinstance(event, UpdatesRefused)]
+    assert [(event.peers, event.epochs, event.losses) for event in written] == [
+        (["b", "c"], [1, 2], [[5.0, 5.5], [5.5, 6.0]])]
 
 
 # --- fp16 with its loss scaler ---------------------------------------------------------------------------------------
