@@ -2,7 +2,8 @@
 
 - harness.py: Swarm, the peers of one test on 127.0.0.1 or in network namespaces, torn down on every path;
 - faults.py: the fault plan a test hands one peer (`peer start --inject-faults`), and the injector the peer
-  consults at fixed points.
+  consults at fixed points;
+- forgery.py: run manifests stored by a squatter (bare DHT clients), against the run owner's signature.
 Processes themselves are started and supervised by peer/process/launcher.py, which `peer swarm` uses too.
 This package imports no torch: a test that only starts processes does not pay for it.
 """

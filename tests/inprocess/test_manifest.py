@@ -26,7 +26,8 @@ from dht.records import (
 from dht.run_owner import KEY_FILE_NAME, RunOwnerKey, RunOwnerKeyError, fingerprint, is_signed
 from peer.config import load_config
 from peer.runtime.manifest import ManifestMismatch, ManifestUnreadable, differences, join_run, manifest_for
-from tests.peers import forge_manifests, wait_until
+from peer.testing.forgery import forge_manifests
+from tests.peers import wait_until
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
 

@@ -18,7 +18,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from dht.keys import SwarmKeys
 from peer.telemetry.events import EpochEnded
 from peer.testing import Peer, Swarm
-from tests.peers import forge_manifests
+from peer.testing.forgery import forge_manifests
 
 TARGET = "192"
 # the first peer trains alone for most of the test: on the built-in task it would take a whole core, while this
