@@ -13,15 +13,12 @@ peer/runtime/manifest.py says.
 """
 from __future__ import annotations
 
-import logging
 from typing import Dict, Mapping, Optional
 
 import hivemind
 
 from dht.records import RunManifest, read_live
 from dht.run_owner import fingerprint, is_signed
-
-logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 6
 """Raise it whenever peers of two versions of this daemon can no longer train together, or read each other's

@@ -51,7 +51,7 @@ class RobustPartReducer(GracefulPartReducer):
         super().reset_accumulators()
 
     def take(self, sender_index: int, tensor_part: torch.Tensor, weight: float) -> None:
-        self.contributions.append(Contribution(sender_index, tensor_part, weight))
+        self.contributions.append(Contribution(sender_index, tensor_part, weight, self._attributed(sender_index)))
         self.participated.add(sender_index)
 
     def finish_current_part(self) -> None:
@@ -69,6 +69,13 @@ class RobustPartReducer(GracefulPartReducer):
             self.fully_judged.update(item.sender for item in self.contributions)
         self.current_part_future.set_result(result)
         self.reset_accumulators()
+
+    def _attributed(self, sender_index: int) -> Optional[float]:
+        """The samples the sender's believed progress records account for, where the averager carries them."""
+        evidence = self.weight_bound.evidence if self.weight_bound is not None else None
+        if evidence is None or sender_index == self.own_sender:
+            return None  # this peer's own weight is its own count
+        return evidence.attributed(self.sender_peer_ids[sender_index].to_bytes().hex())
 
     def _note(self, offence: Finding) -> None:
         # one verdict per sender and round: a dropped contribution (what the drop counters count) outranks a

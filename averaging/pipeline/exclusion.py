@@ -1,13 +1,16 @@
 """Exclusion: a peer whose contributions this peer's reducers keep dropping is refused from then on.
 
 Reducers judge each sender once per round (averaging/adapter/reducer.py): an offence is a contribution dropped
-(NaN/Inf, norm, direction) or a weight claim far above the samples a sender can have accumulated (its
-contribution was used, capped). A peer is excluded once `threshold` of its last `window` judged rounds were
-offences, so that one transient NaN, or an honest peer's rare outlier, never excludes anyone. A round counts
-as clean only if every check could run on it: a group of three cannot tell a sign flip, and such rounds would
-otherwise fill an attacker's window (in groups of 3 and 4 under load, the sign flipper went unexcluded for
-120 s). Exclusion lasts for the rest of the run, or `seconds` when set; it is logged once with the peer's id and
-counted. This peer is never judged: reducers leave their own contribution out of the verdicts.
+(NaN/Inf, norm, direction) or a weight claim above twice the target batch (its contribution was used, capped).
+A peer is excluded once `threshold` of its last `window` judged rounds were offences, so that one transient
+NaN, or an honest peer's rare outlier, never excludes anyone. A round counts as clean only if every check could
+run on it: a group of three cannot tell a sign flip, and such rounds would otherwise fill an attacker's window
+(in groups of 3 and 4 under load, the sign flipper went unexcluded for 120 s). Exclusion lasts for the rest of
+the run, or `seconds` when set; it is logged once with the peer's id and counted. This peer is never judged:
+reducers leave their own contribution out of the verdicts.
+
+Peers refused for harmful updates (averaging/pipeline/update_check.py) are refused alongside, for the rest of the
+run, with no verdict on any of them.
 
 A donor that served a state other than the one it published (BAD_STATE, averaging/swarm/digests.py) is
 excluded at its first offence: an honest donor's served state is its published one, bit for bit.

@@ -6,9 +6,10 @@ sender's contribution to that part, with its weight. Instead of averaging whatev
 1. leaves out peers this peer has excluded (no new offence: they are already excluded);
 2. drops a contribution whose weight is negative or not finite, or whose values hold NaN or Inf;
 3. where the averager's weights are sample counts (its pipeline carries a WeightBound), caps each weight at
-   `max_share` times an equal share of the target batch among the part's senders: a sender cannot buy itself
-   the round by claiming samples it never trained on. The capped contribution is still used; a claim above
-   OFFENCE_TARGETS whole target batches is an offence (a WeightClaim finding, not a drop);
+   `max_share` times an equal share of the target batch among the part's senders, and at what the sender's
+   own believed progress records account for (averaging/pipeline/evidence.py; never below one equal share): a
+   sender cannot buy itself the round by claiming samples it never trained on. The capped contribution is still
+   used; a claim above OFFENCE_TARGETS whole target batches is an offence (a WeightClaim finding, not a drop);
 4. with at least three finite contributions (fewer cannot outvote anyone), drops one whose L2 norm is
    more than `norm_ratio` times the median of the others' norms; then, with at least four left (the
    median of two others is no center: honest single-batch gradients were dropped that way), one whose
@@ -34,11 +35,12 @@ reduced. This module is pure torch: the hivemind wiring lives in averaging/adapt
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
+from averaging.pipeline.evidence import SampleEvidence
 from averaging.pipeline.round_pipeline import RoundStage
 
 MIN_SENDERS_FOR_DIRECTION = 4
@@ -73,10 +75,17 @@ class WeightBound(RoundStage):
 
     target_batch_size: int
     max_share: float = 2.0
+    evidence: Optional[SampleEvidence] = field(default=None, compare=False)
+    """What each sender's believed progress records account for (averaging/pipeline/evidence.py), where the
+    training process shares it."""
 
-    def cap(self, senders: int) -> float:
-        """The most weight one of `senders` contributions that claim samples is counted with."""
-        return self.max_share * self.target_batch_size / max(1, senders)
+    def cap(self, senders: int, attributed: Optional[float] = None) -> float:
+        """The most weight one of `senders` contributions that claim samples is counted with: `max_share` equal
+        shares, and no more than its progress records account for (`attributed`), but never below one share."""
+        share = self.target_batch_size / max(1, senders)
+        if attributed is None:
+            return self.max_share * share
+        return min(self.max_share * share, max(share, attributed))
 
     @property
     def plausible(self) -> float:
@@ -89,6 +98,7 @@ class Contribution:
     sender: int
     part: torch.Tensor
     weight: float
+    attributed: Optional[float] = None  # the samples the sender's progress records account for, where known
 
 
 @dataclass(frozen=True)
@@ -145,7 +155,7 @@ def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, exclu
     a sign flip would have gone unseen), and whose weight was capped (where `bound` is given: the weights
     are sample counts). `own` is the sender that is this peer, whose contribution it trusts."""
     contributions = sorted(contributions, key=lambda item: item.sender)  # arrival order must not change a bit
-    cap = bound.cap(sum(1 for item in contributions if _claims_samples(item))) if bound is not None else None
+    senders = sum(1 for item in contributions if _claims_samples(item))
     drops: List[Drop] = []
     capped: List[WeightClaim] = []
     kept: List[Contribution] = []
@@ -154,6 +164,7 @@ def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, exclu
         if drop is not None:
             drops.append(drop)
             continue
+        cap = None if bound is None else bound.cap(senders, item.attributed)
         if cap is not None and item.weight > cap:
             capped.append(WeightClaim(item.sender, item.weight, cap, bound.plausible))
             item = replace(item, weight=cap)

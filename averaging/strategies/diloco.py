@@ -107,7 +107,8 @@ class DiLoCoOptimizer(SharesState):
             start=True, **dict(tracker_opts, private_key=self.signing_key),
         )
         progress.believe_plausible_claims(self.tracker, self.signing_key, matchmaking_floor,
-                                          excluded=self.rounds.excluded_peer_ids)
+                                          excluded=self.rounds.excluded_peer_ids,
+                                          evidence=weight_bound.evidence if weight_bound else None)
         self.state_averager = GuardedStateAverager(
             serve=self.rounds.hooks.serve_state,
             dht=dht,

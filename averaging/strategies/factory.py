@@ -16,6 +16,7 @@ from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines
 from averaging.pipeline.defence import Defence
 from averaging.pipeline.error_feedback import ErrorFeedback
+from averaging.pipeline.evidence import SampleEvidence
 from averaging.pipeline.exclusion import ExclusionBook, ExclusionRule, ExclusionWatch
 from averaging.pipeline.robust import RobustPolicy, WeightBound
 from averaging.pipeline.round_pipeline import including
@@ -88,6 +89,6 @@ def _parts(config: AveragingConfig, tracker_opts: Optional[dict], rounds: RoundK
         matchmaking_floor=matchmaking_floor,
         allreduce_timeout=config.seconds("averaging_timeout_seconds") or config.averaging_timeout_seconds_max,
         error_feedback=ErrorFeedback() if config.uses_error_feedback else None,
-        weight_bound=WeightBound(config.target_batch_size, config.robust_max_weight_share),
+        weight_bound=WeightBound(config.target_batch_size, config.robust_max_weight_share, SampleEvidence()),
         agreement=agreement,
     )

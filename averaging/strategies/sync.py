@@ -76,7 +76,8 @@ class SyncOptimizer(SharesState, HookedOptimizer):
                 f"start the DHT with the same client mode"
             )
         progress.believe_plausible_claims(self.tracker, signing_key, self.matchmaking_time,
-                                          excluded=self.rounds.excluded_peer_ids)
+                                          excluded=self.rounds.excluded_peer_ids,
+                                          evidence=self.weight_bound.evidence if self.weight_bound else None)
         if rounds.deadlines.auto:
             self._apply_deadlines(rounds.deadlines.current)
         self._start_agreement(agreement, slice(None))  # everything it serves: parameters and optimizer state

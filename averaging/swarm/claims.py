@@ -55,9 +55,13 @@ RATE_MEMORY_SECONDS = 60.0
 
 class ClaimFilter:
     def __init__(self, own_owner: bytes, target_batch_size: int, max_ttl_seconds: float,
-                 max_clock_skew_seconds: float = 60.0, excluded: Callable[[], Collection[bytes]] = frozenset):
-        """:param excluded: the peer ids (bytes) this peer has excluded, asked afresh at each fetch"""
+                 max_clock_skew_seconds: float = 60.0, excluded: Callable[[], Collection[bytes]] = frozenset,
+                 believed: Callable[[Dict[str, tuple]], None] = lambda records: None):
+        """:param excluded: the peer ids (bytes) this peer has excluded, asked afresh at each fetch
+        :param believed: told after each fetch what the other peers' believed records say, by peer id (hex):
+            (samples accumulated, samples per second, when written, by this machine's clock)"""
         self.own_owner, self.target_batch_size, self.excluded = own_owner, target_batch_size, excluded
+        self.believed = believed
         self.clock_offset = 0.0  # the swarm's clock minus ours, when ours is found wrong
         self.max_ttl_seconds, self.max_clock_skew_seconds = max_ttl_seconds, max_clock_skew_seconds
         self.ignored: Set[bytes] = set()  # owners of absurd records: never believed again
@@ -98,7 +102,18 @@ class ClaimFilter:
                 continue
             kept[owner] = entry
         self._remember(kept, now)
+        self.believed(self._evidence(kept))
         return kept
+
+    def _evidence(self, kept: Mapping[bytes, object]) -> Dict[str, tuple]:
+        evidence = {}
+        for owner, entry in kept.items():
+            peer_id = _get(entry, "peer_id")
+            if owner != self.own_owner and isinstance(peer_id, bytes):
+                value = entry.value
+                evidence[peer_id.hex()] = (_number(value, "samples_accumulated"), _number(value, "samples_per_second"),
+                                           _number(value, "time") - self.clock_offset)
+        return evidence
 
     def _check_own_clock(self, metadata: Mapping[bytes, object], now: float) -> None:
         """Most other records (two or more) expiring beyond the longest lifetime a record can have: our clock

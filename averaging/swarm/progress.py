@@ -16,6 +16,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from averaging.api import SwarmView
+from averaging.pipeline.evidence import SampleEvidence
 from averaging.swarm.claims import ClaimFilter
 
 MIN_CLOCK_SKEW_SECONDS = 5.0
@@ -53,8 +54,10 @@ def clock_skew_allowed(matchmaking_seconds: float) -> float:
 
 
 def believe_plausible_claims(tracker: ProgressTracker, key: RSAPrivateKey, matchmaking_seconds: float,
-                             excluded: Callable[[], Collection[bytes]] = frozenset) -> None:
-    """From its next fetch on, the tracker reads only the records a ClaimFilter believes (never its own).
+                             excluded: Callable[[], Collection[bytes]] = frozenset,
+                             evidence: Optional[SampleEvidence] = None) -> None:
+    """From its next fetch on, the tracker reads only the records a ClaimFilter believes (never its own), and
+    shares what they say with the reducers that bound weights by it (`evidence`).
 
     A peer whose clock is more than clock_skew_allowed ahead of ours writes records that are not believed,
     so it cannot drive the swarm's epochs.
@@ -62,7 +65,8 @@ def believe_plausible_claims(tracker: ProgressTracker, key: RSAPrivateKey, match
     skew = clock_skew_allowed(matchmaking_seconds)
     tracker.claims = ClaimFilter(RSASignatureValidator(key).local_public_key, tracker.target_batch_size,
                                  max_ttl_seconds=tracker.metadata_expiration + skew, max_clock_skew_seconds=skew,
-                                 excluded=excluded)
+                                 excluded=excluded, believed=evidence.record if evidence is not None else
+                                 lambda records: None)
 
 
 def served(tracker: ProgressTracker, epoch: int, refresh_timeout_seconds: float = 2.0) -> None:

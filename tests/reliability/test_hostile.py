@@ -74,6 +74,19 @@ async def excluded_by_a_majority(honest: List[Peer], attacker_id: str, *, timeou
         await asyncio.gather(*waits, return_exceptions=True)
 
 
+async def trained_below_their_start(honest: List[Peer]) -> None:
+    """Until each honest peer's validation loss, at an epoch after the checks so far, is RECOVERED below the one it
+    joined with."""
+    checked_at = max(peer.epoch for peer in honest)
+    for peer in honest:
+        goal = (await peer.wait_for(Joined, timeout=10)).val_loss - RECOVERED
+
+        def recovered(event: EpochEnded, goal: float = goal) -> bool:
+            return event.epoch > checked_at and event.val_loss is not None and event.val_loss < goal
+
+        await peer.wait_for(EpochEnded, recovered, timeout=240, what=f"a validation loss below {goal:.2f}")
+
+
 @pytest.mark.timeout(600)
 async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on(tmp_path: Path):
     # The default --exclude-after 3: with 2, an honest peer a round out of step (13x the others' gradient
@@ -118,14 +131,7 @@ async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on
         # what the attackers did before they were judged (a sign flip only in groups of four) may have set the
         # honest peers back past where they started (CI: 5.99 from 5.49, the run ended 2 epochs later): they train
         # on until each is clearly below its start again
-        checked_at = max(peer.epoch for peer in honest)
-        for peer in honest:
-            goal = (await peer.wait_for(Joined, timeout=10)).val_loss - RECOVERED
-
-            def recovered(event: EpochEnded, goal: float = goal) -> bool:
-                return event.epoch > checked_at and event.val_loss is not None and event.val_loss < goal
-
-            await peer.wait_for(EpochEnded, recovered, timeout=240, what=f"a validation loss below {goal:.2f}")
+        await trained_below_their_start(honest)
         final_epoch = min(EPOCHS, swarm.end_soon(honest))  # --max-epochs still bounds it
         assert await ahead.exit_code(timeout=60) == 0, ahead.log_tail()
         assert await swarm.all_exited(timeout=240, peers=honest) == [0, 0, 0]
@@ -167,14 +173,7 @@ async def test_two_honest_peers_outvote_and_exclude_a_peer_that_over_claims_its_
         for peer in honest:  # for its claims: in groups of three nothing else can be told
             assert re.search(rf"excluding peer {liar.peer_id} .*\(weight-claim; last: claimed \d+ samples", peer.log())
         liar.terminate()
-        checked_at = max(peer.epoch for peer in honest)
-        for peer in honest:
-            goal = (await peer.wait_for(Joined, timeout=10)).val_loss - RECOVERED
-
-            def recovered(event: EpochEnded, goal: float = goal) -> bool:
-                return event.epoch > checked_at and event.val_loss is not None and event.val_loss < goal
-
-            await peer.wait_for(EpochEnded, recovered, timeout=240, what=f"a validation loss below {goal:.2f}")
+        await trained_below_their_start(honest)
         final_epoch = min(EPOCHS, swarm.end_soon(honest))
         assert await liar.exit_code(timeout=60) == 0, liar.log_tail()
         assert await swarm.all_exited(timeout=240, peers=honest) == [0, 0]

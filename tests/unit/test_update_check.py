@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 from averaging.api import RoundReport
+from averaging.pipeline.defence import Defence, Verdict
+from averaging.pipeline.exclusion import ExclusionBook, ExclusionRule, ExclusionWatch
+from averaging.pipeline.robust import RobustPolicy
 from averaging.pipeline.update_check import UpdateCheck, UpdateCheckRule, refused_peers_line
+from tests.peers import wait_until
 
 ME, HONEST, HOSTILE = "me", "honest", ("flip-1", "flip-2", "flip-3")
 GROUP = (ME, HONEST, *HOSTILE)
@@ -66,3 +70,26 @@ def test_a_non_finite_held_out_loss_judges_nothing_and_resets_the_baseline():
     check.epoch_ended(0, 5.0)
     assert run(check, [float("nan"), 6.0]) == [None, None]  # 6.0 is the baseline after the NaN, not judged
     assert run(check, [7.0])[0].peers == set(GROUP) - {ME}
+
+
+def test_refused_peers_join_the_excluded_ones_and_outlive_an_exclusion_that_ends():
+    """What the averagers refuse is the union; an exclusion with a cool-off ends, a refusal does not."""
+    excluded = "12D3KooWFpVSw4FTShHPfXTgjf5fjiiBtY2NdFq4fZDS5FgUFc9S"
+    refused = "QmZurcthsZnDEsqwnnY67QJW6mAXMS3VayxHZMFQ6QHNKX"
+    clock = [0.0]
+    defence = Defence(RobustPolicy())
+    watch = ExclusionWatch(defence, ExclusionBook(ExclusionRule(threshold=1, window=1, seconds=5.0),
+                                                  clock=lambda: clock[0]))
+
+    def refused_by_the_averagers():
+        return {peer.to_base58() for peer in defence.excluded()}
+
+    try:
+        defence.report([Verdict(excluded, "round0", "non-finite", "values hold NaN or Inf", dropped=True)])
+        wait_until(lambda: refused_by_the_averagers() == {excluded}, timeout=10, message="the exclusion")
+        watch.refuse([refused])
+        assert refused_by_the_averagers() == {excluded, refused}
+        clock[0] = 10.0  # the exclusion's 5 s are over: the watch lets it go at its next poll
+        wait_until(lambda: refused_by_the_averagers() == {refused}, timeout=10, message="the exclusion to end")
+    finally:
+        watch.close()

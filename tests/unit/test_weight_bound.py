@@ -3,12 +3,14 @@ rule (a trimmed mean that is the median of three and the weighted mean of two), 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from averaging.config import AveragingConfig
 from averaging.pipeline.defence import Defence, Verdict
+from averaging.pipeline.evidence import EVIDENCE_MARGIN, SampleEvidence
 from averaging.pipeline.exclusion import ExclusionBook, ExclusionRule, ExclusionWatch
 from averaging.pipeline.robust import (
     OFFENCE_TARGETS,
@@ -19,6 +21,7 @@ from averaging.pipeline.robust import (
     aggregate,
     trimmed_count,
 )
+from averaging.swarm.claims import ClaimFilter
 from tests.peers import wait_until
 from tests.unit.test_robust_aggregation import contributions, honest_parts, weighted_mean
 
@@ -168,3 +171,50 @@ def test_a_weight_claim_is_no_dropped_contribution():
         assert dropped == ["non-finite"]  # peer_dropped_contributions_total counts drops only
     finally:
         watch.close()
+
+
+# --- what the swarm can attribute to a sender (averaging/pipeline/evidence.py) ---------------------------------------
+
+
+def test_the_evidence_is_what_a_senders_believed_records_account_for_by_now_shared_with_the_averagers():
+    clock = [100.0]
+    evidence = SampleEvidence(clock=lambda: clock[0])
+    assert evidence.attributed("aa") is None  # nothing recorded yet
+    evidence.record({"aa": (16.0, 8.0, 99.0), "bb": (0.0, 0.0, 100.0)})
+    assert evidence.attributed("aa") == EVIDENCE_MARGIN * (16.0 + 8.0 * 1.0)
+    clock[0] = 103.0
+    assert evidence.attributed("aa") == EVIDENCE_MARGIN * (16.0 + 8.0 * 4.0)
+    assert evidence.attributed("bb") == 0.0 and evidence.attributed("cc") is None
+    evidence.record({})
+    assert evidence.attributed("aa") is None  # replaced, not merged: a peer whose records lapsed has no evidence
+    many = {f"{index:064x}": (1.0, 1.0, float(index)) for index in range(20000)}  # more than the table holds
+    evidence.record(many)
+    assert evidence.attributed(f"{19999:064x}") is not None and evidence.attributed(f"{0:064x}") is None
+
+
+def test_a_sender_is_capped_at_what_its_records_account_for_but_never_below_an_equal_share():
+    parts = honest_parts(3)
+    # it claims 30 (within twice an equal share of 48/3 = 16: no cap without evidence), its records account for 20
+    items = [Contribution(0, parts[0], 16.0), Contribution(1, parts[1], 16.0), Contribution(2, parts[2], 30.0, 20.0)]
+    _, _, _, capped = aggregate(items, MEAN, bound=BOUND)
+    assert capped == [WeightClaim(2, 30.0, 20.0, 96.0)] and not capped[0].is_offence
+    # records written at start-up account for nothing yet: an equal share is still counted
+    items[2] = Contribution(2, parts[2], 30.0, 0.0)
+    assert aggregate(items, MEAN, bound=BOUND).capped == [WeightClaim(2, 30.0, 16.0, 96.0)]
+    # records that account for more than the fair-share bound do not raise it
+    items[2] = Contribution(2, parts[2], 40.0, 500.0)
+    assert aggregate(items, MEAN, bound=BOUND).capped == [WeightClaim(2, 40.0, 32.0, 96.0)]
+
+
+def test_the_claim_filter_tells_what_the_believed_records_say_in_this_machines_clock():
+    told = []
+    claims = ClaimFilter(b"me", TARGET, max_ttl_seconds=40.0, max_clock_skew_seconds=5.0, believed=told.append)
+
+    def record(peer_id: bytes, samples: int, rate: float):
+        value = dict(peer_id=peer_id, epoch=0, samples_accumulated=samples, samples_per_second=rate, time=1000.0,
+                     client_mode=False)
+        return SimpleNamespace(value=value, expiration_time=1030.0)
+
+    claims.filter({b"me": record(b"\x01", 8, 4.0), b"other": record(b"\x02", 16, 8.0),
+                   b"absurd": record(b"\x03", 10**12, 8.0)}, now=1000.0)
+    assert told == [{"02": (16.0, 8.0, 1000.0)}]  # not its own, nor a record it does not believe
