@@ -54,6 +54,7 @@ from typing import List, Optional, Sequence, Tuple
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from averaging.registry import DEFAULT_STRATEGY
 from benchmarks import common
 from benchmarks.scaling import epochs, ready_time, stop_all
 from dht.keys import SwarmKeys
@@ -96,7 +97,7 @@ async def start_swarm(swarm: Swarm, scenario: Scenario, run_id: str, start_timeo
     first = await swarm.add(*run, *scenario.honest_args, timeout=start_timeout)
     if scenario.forged_manifests:
         forge_manifests(first.address, SwarmKeys.for_run(run_id), {"task": "bytelm-tiny", "target_batch_size": 999,
-                        "averaging": "sync"}, scenario.forged_manifests, squatter_keys)
+                        "averaging": DEFAULT_STRATEGY}, scenario.forged_manifests, squatter_keys)
     honest = [first] + [await swarm.add(*run, *scenario.honest_args, ready=False) for _ in range(1, scenario.honest)]
     if scenario.attackers:
         others = [await swarm.add(*run, *scenario.attacker_args, ready=False) for _ in range(scenario.attackers)]
