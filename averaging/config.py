@@ -188,8 +188,9 @@ class AveragingConfig(BaseModel):
         ge=1,
         description="Cap a sender's weight at this many fair shares. A reducer counts the samples each sender "
         "claims (its weight in gradient and DiLoCo rounds) as at most this many times --target-batch-size / "
-        "the number of senders of its part, so that a peer cannot outweigh the others by claiming samples it never "
-        "trained on; a claim above twice that cap is an offence (--exclude-after). Raise it if some honest peers are "
+        "the number of senders of its part, and at most twice what its own progress records account for (never "
+        "below one share), so that a peer cannot outweigh the others by claiming samples it never trained on; a "
+        "claim above twice --target-batch-size is an offence (--exclude-after). Raise it if some honest peers are "
         "more than this many times as fast as the swarm's average.",
     )
     robust_norm_ratio: float = Field(

@@ -59,6 +59,13 @@ def held_by_peers(copies: Dict[bytes, RunManifest], peer_infos: Mapping[bytes, o
     return {holder: manifest for holder, manifest in copies.items() if holder in peer_infos}
 
 
+def runs_manifest(copies: Dict[bytes, RunManifest], peer_infos: Mapping[bytes, object],
+                  owner: Optional[str]) -> Optional[RunManifest]:
+    """For a reader that trains nothing (peer status, a bootstrap node): the manifest of the owner given (copies
+    read with `owner`), else the one the live peers hold, else the most held one (anyone can store one)."""
+    return agreed_manifest(copies if owner else held_by_peers(copies, peer_infos) or copies)
+
+
 def manifest_identity(manifest: RunManifest) -> tuple:
     """What two manifests must share to be the same run: the owner, the protocol and every setting."""
     return manifest.owner, manifest.protocol, tuple(sorted(manifest.settings.items()))

@@ -56,7 +56,7 @@ RATE_MEMORY_SECONDS = 60.0
 class ClaimFilter:
     def __init__(self, own_owner: bytes, target_batch_size: int, max_ttl_seconds: float,
                  max_clock_skew_seconds: float = 60.0, excluded: Callable[[], Collection[bytes]] = frozenset,
-                 believed: Callable[[Dict[str, tuple]], None] = lambda records: None):
+                 believed: Optional[Callable[[Dict[str, tuple]], None]] = None):
         """:param excluded: the peer ids (bytes) this peer has excluded, asked afresh at each fetch
         :param believed: told after each fetch what the other peers' believed records say, by peer id (hex):
             (samples accumulated, samples per second, when written, by this machine's clock)"""
@@ -102,7 +102,8 @@ class ClaimFilter:
                 continue
             kept[owner] = entry
         self._remember(kept, now)
-        self.believed(self._evidence(kept))
+        if self.believed is not None:
+            self.believed(self._evidence(kept))
         return kept
 
     def _evidence(self, kept: Mapping[bytes, object]) -> Dict[str, tuple]:

@@ -65,8 +65,7 @@ def believe_plausible_claims(tracker: ProgressTracker, key: RSAPrivateKey, match
     skew = clock_skew_allowed(matchmaking_seconds)
     tracker.claims = ClaimFilter(RSASignatureValidator(key).local_public_key, tracker.target_batch_size,
                                  max_ttl_seconds=tracker.metadata_expiration + skew, max_clock_skew_seconds=skew,
-                                 excluded=excluded, believed=evidence.record if evidence is not None else
-                                 lambda records: None)
+                                 excluded=excluded, believed=evidence.record if evidence is not None else None)
 
 
 def served(tracker: ProgressTracker, epoch: int, refresh_timeout_seconds: float = 2.0) -> None:

@@ -115,7 +115,7 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> 
     from hivemind.utils import get_dht_time
 
     from dht.keys import SwarmKeys
-    from dht.manifest import agreed_manifest, held_by_peers, read_manifests
+    from dht.manifest import held_by_peers, read_manifests, runs_manifest
     from dht.records import read_peer_infos
     from dht.run_owner import fingerprint
 
@@ -127,9 +127,7 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> 
     except Exception as e:  # a timeout or a DHT that went away: the swarm is not readable
         raise SwarmUnreachable(f"could not read the swarm's records within {timeout_seconds:.0f}s "
                                f"({type(e).__name__}); check the address, or raise --timeout-seconds") from e
-    # the owner's manifest if one was given, else the one the live peers hold (anyone can store one)
-    held = held_by_peers(copies, infos)
-    manifest = agreed_manifest(copies if config.dht.run_owner else held or copies)
+    manifest = runs_manifest(copies, infos, config.dht.run_owner)
     now, dht_now = time.time(), get_dht_time()
     latest: Dict[str, Any] = {}  # by peer id: a restarted peer keeps its id (--identity) but signs with a new key
     for info in infos.values():
@@ -147,7 +145,7 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> 
         swarm["global_epoch"] = max((p["epoch"] for p in peers if not p["client_mode"]), default=0)
     if manifest is not None:
         manifest = {"protocol": manifest.protocol, "settings": manifest.settings, "owner": fingerprint(manifest.owner),
-                    "held_by_peers": sum(1 for copy in held.values() if copy == manifest)}
+                    "held_by_peers": sum(1 for copy in held_by_peers(copies, infos).values() if copy == manifest)}
     return {"swarm": swarm, "peers": peers, "manifest": manifest}
 
 

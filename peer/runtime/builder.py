@@ -30,10 +30,10 @@ from averaging.swarm.progress import clock_skew_allowed
 from dht.clock import ClockRecordPublisher
 from dht.identity import IdentityInUse
 from dht.keys import SwarmKeys
-from dht.manifest import MANIFEST_TTL_SECONDS, REFRESH_PERIOD_SECONDS, agreed_manifest, read_manifests
+from dht.manifest import MANIFEST_TTL_SECONDS, REFRESH_PERIOD_SECONDS, read_manifests, runs_manifest
 from dht.node import DHTStartCancelled, quiet_dht_logs, shutdown_dht, start_dht
 from dht.reconnect import Departures, Reconnector
-from dht.records import PeerInfo, PeerInfoPublisher, RecordPublisher, RunManifest, record_validators
+from dht.records import PeerInfo, PeerInfoPublisher, RecordPublisher, RunManifest, read_peer_infos, record_validators
 from dht.run_owner import KEY_FILE_NAME, RunOwnerKey, RunOwnerKeyError
 from monitoring import (
     BottleneckClassifier,
@@ -273,7 +273,7 @@ class PeerBuilder:
     def owns_run(self) -> bool:
         """Whether this peer's run owner key signed the run's manifest (it started the run)."""
         if self.manifest is None or not (self.config.checkpoint.checkpoint_dir / KEY_FILE_NAME).exists():
-            return False  # (a joiner never makes a key)
+            return False  # no key here: this peer never started a run, nor waited alone for its owner
         return self.manifest.owner == self.run_owner_key().public_key
 
     def serve_manifest(self, dht: hivemind.DHT) -> None:
@@ -282,7 +282,7 @@ class PeerBuilder:
 
         def current() -> Optional[dict]:
             copies = read_manifests(dht, self.keys.manifest, timeout_seconds=10.0, owner=self.config.dht.run_owner)
-            manifest = agreed_manifest(copies)
+            manifest = runs_manifest(copies, read_peer_infos(dht, self.keys.run_id, 10.0), self.config.dht.run_owner)
             return None if manifest is None else manifest.dict()
 
         self._keep_manifest(dht, current)

@@ -148,14 +148,15 @@ def join_run(dht, keys: SwarmKeys, ours: RunManifest, owner_key: Callable[[], Ru
         judged = copies if verified else held_by_peers(copies, peers)
         if judged:
             raise ManifestMismatch("\n".join(differences(ours, agreed_manifest(judged), verified)))
-        peers_visible = bool(peers)
-        if not peers_visible and (not verified or run_owner == owner_key().fingerprint):
-            return _start_run(dht, keys, ours, owner_key(), copies)
+        if not peers:
+            key = owner_key()
+            if not verified or run_owner == key.fingerprint:
+                return _start_run(dht, keys, ours, key, copies)
         if time.monotonic() >= deadline:
             signed_by = "" if run_owner is None else f" signed by run owner {run_owner}"
             raise ManifestUnreadable(
                 f"no run manifest{signed_by} of run {keys.run_id!r} could be read within {timeout_seconds:.0f}s"
-                f"{' while its peers are visible' if peers_visible else ''}; check that they run this version of "
+                f"{' while its peers are visible' if peers else ''}; check that they run this version of "
                 f"swarmtrain, the same --swarm-key{' and --run-owner' if run_owner else ''}, or raise "
                 f"--startup-timeout-seconds"
             )
