@@ -29,9 +29,12 @@ async def test_two_honest_peers_notice_a_colluding_majority_refuse_it_and_train_
                      "--max-seconds", "400", fast=True) as swarm:
         first = await swarm.add(name=HONEST[0])
         others = [await swarm.add(name=HONEST[1], ready=False)]
-        # colluders: they exclude nobody (the peers they outvote keep averaging with them)
+        # colluders exclude and refuse nobody: they keep averaging with the peers they outvote. (Running the
+        # honest check, they refused the honest peers too, and one honest peer, refused by all four others before
+        # it had counted three harmful updates of its own, trained alone and never saw the majority's harm.)
         others += [await swarm.add("--inject-faults", COLLUDING.model_dump_json(), "--exclude-after", "1000",
-                                   "--exclude-window", "1000", name=name, ready=False) for name in FLIPPERS]
+                                   "--exclude-window", "1000", "--harmful-update-rise", "0", name=name, ready=False)
+                   for name in FLIPPERS]
         await asyncio.gather(*(peer.ready() for peer in others))
         honest, flippers = [first, others[0]], others[1:]
 
