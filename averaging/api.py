@@ -149,6 +149,19 @@ class LoopOptimizer(SwarmProgress, Protocol):
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
+    @property
+    def task_optimizer(self) -> torch.optim.Optimizer:
+        """The task's torch optimizer as this strategy steps it (DiLoCo: the inner one); its state lives with the
+        parameters, or on the host with --offload-optimizer."""
+
+    def pause(self) -> None:
+        """Stand aside, after the current step: rounds scheduled ahead go on without this peer's weight, the
+        samples it accumulated toward this epoch are dropped, and its progress record says it accumulates
+        nothing, so that no peer waits on it or counts on its rate. Its process, identity and state stay."""
+
+    def resume(self) -> None:
+        """Count samples again (whether the swarm moved on meanwhile is the session's to find out)."""
+
     def refuse(self, peers: Iterable[str]) -> None:
         """Stop averaging with these peers (base58) and taking state from them, for the rest of the run (this peer
         found the updates of their groups harmful: averaging/pipeline/update_check.py)."""

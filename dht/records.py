@@ -68,6 +68,8 @@ class PeerInfo(BaseModel):
     state: Optional[constr(strict=True, regex=r"^(agrees|apart)$")] = None
     """Whether its state digest is the swarm's at the last epoch it compared (averaging/swarm/digests.py);
     None before a comparison, or with a strategy whose peers hold different states."""
+    paused: conlist(constr(strict=True, max_length=32), max_items=4) = []
+    """The reasons it is paused for now (requested, outside-active-hours, busy); empty while it trains."""
 
     @validator("val_loss")
     def _finite_val_loss(cls, value: Optional[float]) -> Optional[float]:  # noqa: N805 (pydantic's signature)

@@ -19,14 +19,15 @@ from typing import Callable, Dict, Optional, Tuple
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from monitoring.health import HealthCheck
+from monitoring.health import PAUSED_PREFIX, HealthCheck
 
 __all__ = ["HealthCheck", "HealthFn", "MetricsExporter", "MetricsBindError"]
 
 logger = logging.getLogger(__name__)
 
 HealthFn = Callable[[], Tuple[bool, str]]
-"""Returns (ok, reason); `/healthz` answers 200 "ok" when ok, else 503 with the reason."""
+"""Returns (ok, reason); `/healthz` answers 200 "ok" when ok (with the reason when it says the peer is paused), else 503
+with the reason."""
 
 Route = Callable[[], Tuple[bytes, str]]
 """An extra page: returns (body, content type), called on every GET of its path."""
@@ -182,7 +183,9 @@ class _Handler(BaseHTTPRequestHandler):
             ok, reason = self.server.exporter.health()
         except Exception as e:
             ok, reason = False, f"health check failed: {type(e).__name__}: {e}"
-        if ok:
+        if ok and reason.startswith(PAUSED_PREFIX):  # healthy, and a person reading the body learns why it is idle
+            self._reply(200, f"ok: {' '.join(reason.split())}\n".encode())
+        elif ok:
             self._reply(200, b"ok\n")
         else:
             line = " ".join(str(reason).split()) or "unhealthy"

@@ -13,6 +13,9 @@ import threading
 import time
 from typing import Callable, Optional, Tuple
 
+PAUSED_PREFIX = "paused: "
+"""How a paused peer's reason begins (peer pause, --active-hours, --yield-when-busy): healthy, and idle on purpose."""
+
 
 class HealthCheck:
     """Healthy while the last beat is at most `window_seconds` old; a start-up grace of one window before the first."""
@@ -25,6 +28,7 @@ class HealthCheck:
         self._created_at = clock()
         self._last_beat: Optional[float] = None
         self._degraded: Optional[str] = None
+        self._paused: Optional[Tuple[str, float]] = None  # why, and since when
         self._lock = threading.Lock()
 
     def beat(self) -> None:
@@ -37,6 +41,19 @@ class HealthCheck:
         """Unhealthy for `reason` (one line for a person) until recover(), whatever the training loop does."""
         with self._lock:
             self._degraded = " ".join(str(reason).split()) or "degraded"
+
+    def pause(self, reason: str) -> None:
+        """Healthy while paused on purpose (`peer pause`, --active-hours, --yield-when-busy), whatever the loop does:
+        the body says why. A later pause() replaces the reason and keeps the start."""
+        now = self._clock()
+        with self._lock:
+            self._paused = (" ".join(str(reason).split()) or "paused", self._paused[1] if self._paused else now)
+
+    def unpause(self) -> None:
+        """Training again: the loop's liveness decides, counted from now."""
+        now = self._clock()
+        with self._lock:
+            self._paused, self._last_beat = None, now
 
     def recover(self) -> None:
         """Undo degrade(); the training loop's liveness decides again. Harmless when not degraded."""
@@ -55,7 +72,9 @@ class HealthCheck:
     def _liveness(self) -> Tuple[bool, str]:
         now = self._clock()
         with self._lock:
-            last_beat = self._last_beat
+            last_beat, paused = self._last_beat, self._paused
+        if paused is not None:
+            return True, f"{PAUSED_PREFIX}{paused[0]} (for {now - paused[1]:.0f}s)"
         window = f"window {self.window_seconds:g}s"
         if last_beat is None:
             waited = now - self._created_at

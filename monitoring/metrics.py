@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Dict, Mapping, Optional
+from typing import Dict, Iterable, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
@@ -27,6 +27,9 @@ DROP_REASONS = ("weight", "non-finite", "norm", "direction")
 
 REJECTION_REASONS = ("digest_mismatch", "not_majority", "unpublished")
 """Values of the `reason` label of `peer_rejected_state_downloads_total` (averaging/swarm/digests.py)."""
+
+PAUSE_REASONS = ("requested", "outside-active-hours", "busy")
+"""Values of the `reason` label of `peer_paused` (peer/runtime/pausing.py)."""
 
 ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, math.inf)
 """Averaging round durations: from a LAN round of tens of ms to a 5-minute timeout."""
@@ -59,6 +62,8 @@ PEER_METRICS: Dict[str, str] = {
     "peer_rejected_state_downloads_total": "counter",
     "peer_late_contributions_total": "counter",
     "peer_averaging_reducing": "gauge",
+    "peer_paused": "gauge",
+    "peer_paused_seconds_total": "counter",
     "peer_info": "gauge",
     "peer_gpu_memory_allocated_bytes": "gauge",
     "peer_gpu_memory_peak_bytes": "gauge",
@@ -195,6 +200,14 @@ class PeerMetrics:
             "1 while this peer reduces parts of the average for its groups, 0 while it stands aside because its "
             "contributions came too late for them.", registry=r,
         )
+        self.paused = Gauge(
+            "peer_paused",
+            "1 for each reason this peer is paused for now (requested, outside-active-hours, busy), else 0: a paused "
+            "peer counts no samples and joins no round.", ["reason"], registry=r,
+        )
+        self.paused_seconds = Counter(
+            "peer_paused_seconds", "Time this peer spent paused, counted as each pause ends.", registry=r,
+        )
         self.info = Gauge(
             "peer_info", "Constant 1, labelled with this peer's software version, device, strategy and compression.",
             list(INFO_LABELS), registry=r,
@@ -224,6 +237,8 @@ class PeerMetrics:
             self.rejected_downloads.labels(reason=reason)
         self.state_agrees.set(math.nan)
         self.reducing.set(1)
+        for reason in PAUSE_REASONS:
+            self.paused.labels(reason=reason).set(0)
         self.train_loss.set(math.nan)  # NaN, not 0, until a loss is known: 0 would read as a perfect model
         self.validation_loss.set(math.nan)
 
@@ -273,6 +288,15 @@ class PeerMetrics:
     def set_reducing(self, reduces: bool) -> None:
         """Whether this peer reduces parts of the average for its groups (0: it stands aside, too slow for them)."""
         self.reducing.set(1 if reduces else 0)
+
+    def set_paused(self, reasons: Iterable[str]) -> None:
+        """The reasons this peer is paused for now (none: it trains)."""
+        reasons = set(reasons)
+        for reason in PAUSE_REASONS:
+            self.paused.labels(reason=reason).set(1 if reason in reasons else 0)
+
+    def record_pause(self, seconds: float) -> None:
+        self.paused_seconds.inc(max(0.0, seconds))
 
     def record_checkpoint_failure(self) -> None:
         """A checkpoint could not be written."""

@@ -26,6 +26,7 @@ from averaging.config import AveragingConfig
 from dht.config import DHTConfig
 from dht.files import InputFileError, read_input_text
 from monitoring.config import MonitoringConfig
+from peer.active_hours import parse_active_hours
 
 ENV_PREFIX = "PEER_"
 
@@ -110,6 +111,47 @@ class LoggingConfig(BaseModel):
     _events_is_a_file = field_validator("events")(_not_a_directory)
 
 
+class VolunteerConfig(BaseModel):
+    """When this machine is lent to the swarm (peer/runtime/pausing.py); `peer pause` and `peer resume` besides."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    active_hours: Optional[str] = Field(
+        default=None, max_length=512,
+        description="Train only in these local hours, such as '22:00-07:00' or 'Mon-Fri 18:00-23:30'. Windows "
+                    "[DAY[-DAY]] HH:MM-HH:MM, comma-separated, such as 'Mon-Fri 18:00-23:30, Sat-Sun 00:00-24:00'; "
+                    "a window that ends before it starts runs past midnight. Outside them the peer pauses.")
+    yield_when_busy: bool = Field(
+        default=False,
+        description="Pause while the owner's other programs keep this machine busy. Busy: they use more than "
+                    "--yield-cpu-share of its CPU, or --yield-gpu-share of its GPU (read through NVML where "
+                    "installed), for --yield-after-seconds; the peer resumes once they have stayed below for "
+                    "--resume-after-quiet-seconds.")
+    yield_cpu_share: float = Field(
+        default=0.5, gt=0, le=1,
+        description="With --yield-when-busy: the share of all CPU cores (0-1) that other programs may use before "
+                    "this peer pauses.")
+    yield_gpu_share: float = Field(
+        default=0.1, gt=0, le=1,
+        description="With --yield-when-busy: the share of this peer's GPU (its memory or its time, 0-1) that other "
+                    "programs may use before this peer pauses.")
+    yield_after_seconds: float = Field(
+        default=5.0, ge=0,
+        description="With --yield-when-busy: how long other programs must stay above their share before the peer "
+                    "pauses.")
+    resume_after_quiet_seconds: float = Field(
+        default=60.0, ge=0,
+        description="With --yield-when-busy: how long other programs must stay below their share before the peer "
+                    "trains again (longer than a pause between two builds, so that it does not flap).")
+
+    @field_validator("active_hours")
+    @classmethod
+    def _active_hours_parse(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            parse_active_hours(value)  # ActiveHoursError is a ValueError: reported with the flag and the value
+        return value
+
+
 class PeerConfig(BaseModel):
     """The whole configuration of one peer; each package receives its own section."""
 
@@ -121,6 +163,7 @@ class PeerConfig(BaseModel):
     dht: DHTConfig = DHTConfig()
     averaging: AveragingConfig = AveragingConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
+    volunteer: VolunteerConfig = VolunteerConfig()
 
     @model_validator(mode="after")
     def _no_conflicts(self) -> "PeerConfig":

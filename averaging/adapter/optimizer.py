@@ -65,6 +65,14 @@ class HookedOptimizer(hivemind.Optimizer):
             self._tag_along_with_zero_weight(self.scheduled_grads)
             self.scheduled_grads = None
 
+    def drop_scheduled_rounds(self) -> None:
+        """Before a pause: the gradient round and the state round scheduled ahead go on with this peer at zero
+        weight, so that the groups they join never wait on it."""
+        self.drop_scheduled_gradients()
+        if self.scheduled_state is not None and not self.scheduled_state.done():
+            self._tag_along_with_zero_weight(self.scheduled_state)
+            self.scheduled_state = None
+
     # --- upstream's private steps, each calling its hook ----------------------------------------
 
     def _make_state_averager(self, **kwargs) -> TrainingStateAverager:

@@ -255,6 +255,19 @@ class DiLoCoOptimizer(SharesState):
             with self.rounds.phase("averaging"):
                 self._land()
 
+    @property
+    def task_optimizer(self) -> torch.optim.Optimizer:
+        return self.inner_optimizer
+
+    def pause(self) -> None:
+        """The inner steps of this round are dropped with the samples they counted: the round's start is the
+        state this peer holds while paused, and its next round's weight is the samples it steps after resuming."""
+        self.wait_for_background_updates()
+        with self.tracker.pause_updates():
+            self._load_round_start_into_model()
+            self._inner_steps = self._samples = self._samples_stepped = 0
+            progress.stand_idle(self.tracker, self.local_epoch)
+
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
         self._close_agreement()
         self._abandon_flight()

@@ -42,6 +42,9 @@ class ReportsProgress:
     def announce(self) -> None:
         progress.announce(self.tracker, self.signing_key)
 
+    def resume(self) -> None:
+        progress.stand_active(self.tracker)
+
     def _others_present(self) -> bool:
         """Whether other peers count toward the swarm's progress: they may have averaged without this one."""
         return self.tracker.global_progress.num_peers > 1

@@ -64,6 +64,15 @@ class SoloOptimizer(ReportsProgress):
     def wait_for_background_updates(self) -> None:
         """Nothing runs in the background."""
 
+    @property
+    def task_optimizer(self):
+        return self.optimizer
+
+    def pause(self) -> None:
+        with self.tracker.pause_updates():
+            self._samples = 0
+            progress.stand_idle(self.tracker, self.local_epoch)
+
     def refuse(self, peers: Iterable[str]) -> None:
         """It averages with nobody, so there is nothing to refuse (and no averaged update is ever judged)."""
 

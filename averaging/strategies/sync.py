@@ -118,6 +118,18 @@ class SyncOptimizer(SharesState, HookedOptimizer):
         """Apply any in-flight background averaging, so local parameters are final (before a checkpoint)."""
         self.state_averager.step(wait_for_delayed_updates=True)
 
+    @property
+    def task_optimizer(self):
+        return self.state_averager.optimizer
+
+    def pause(self) -> None:
+        self.drop_scheduled_rounds()
+        self.wait_for_background_updates()
+        with self.tracker.pause_updates():
+            if self.use_gradient_averaging:
+                self.grad_averager.reset_accumulated_grads_()
+            progress.stand_idle(self.tracker, self.local_epoch)
+
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
         """Upstream's goodbye, then a bounded wait for each averager process (terminated if it hangs)."""
         self._close_agreement()

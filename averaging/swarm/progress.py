@@ -47,6 +47,19 @@ def announce(tracker: ProgressTracker, key: RSAPrivateKey) -> None:
                       expiration_time=get_dht_time() + tracker.metadata_expiration)
 
 
+def stand_idle(tracker: ProgressTracker, epoch: int) -> None:
+    """A paused peer's record: no samples and no rate, so that the swarm neither counts nor expects any from it
+    (hivemind estimates the time to the next epoch from every record's rate). The caller holds
+    tracker.pause_updates(). The rate comes back with the first step after stand_active."""
+    tracker.performance_ema.samples_per_second = tracker.performance_ema.eps
+    tracker.report_local_progress(epoch, samples_accumulated=0)
+
+
+def stand_active(tracker: ProgressTracker) -> None:
+    """After a pause: the next step's rate is measured from now, not from before the pause."""
+    tracker.performance_ema.reset_timer()
+
+
 def clock_skew_allowed(matchmaking_seconds: float) -> float:
     """How far apart two peers' clocks may be: the matchmaking window, at least MIN_CLOCK_SKEW_SECONDS.
     A clock further off is wrong for averaging anyway (matchmaking schedules rounds on DHT time)."""

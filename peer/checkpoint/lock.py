@@ -192,3 +192,25 @@ def _close_in_child() -> None:
         except OSError:
             pass
     _held_fds.clear()
+
+
+def running_peer(directory: Path) -> Optional[int]:
+    """The pid of the live peer that holds `directory`'s lock (0 if it wrote none); None if no peer holds it.
+
+    For commands that control a running peer (peer pause, peer resume): it takes the lock for an instant
+    to find out, and lets go at once."""
+    path = Path(directory).absolute() / LOCK_FILE_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid, _ = _read_holder(fd)
+        return pid or 0
+    except OSError:  # a filesystem without locks: nothing tells whether a peer runs there
+        return None
+    finally:
+        os.close(fd)
+    return None

@@ -14,6 +14,7 @@ from click.core import ParameterSource
 from peer.cli.bootstrap import bootstrap
 from peer.cli.monitor import monitor
 from peer.cli.options import SectionedCommand, config_options_for, resolve_config
+from peer.cli.pause import pause, resume
 from peer.cli.preflight import check_before_start
 from peer.cli.status import status
 from peer.config import OPTIONS_BY_CLI
@@ -129,5 +130,5 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 # commands that live in their own modules
-for command in (bootstrap, status, monitor):
+for command in (bootstrap, status, monitor, pause, resume):
     cli.add_command(command)

@@ -34,6 +34,7 @@ HELP_SECTIONS: Tuple[Tuple[str, Callable[[Option], bool]], ...] = (
      and option.name.startswith(("robust_", "exclu"))),
     ("Averaging", lambda option: option.section == "averaging"),
     ("Checkpoints", lambda option: option.section == "checkpoint"),
+    ("Volunteer machine", lambda option: option.section == "volunteer"),
     ("Monitoring and logs", lambda option: option.section in ("monitoring", "logging")),
 )
 TUNING = frozenset({
@@ -44,11 +45,12 @@ TUNING = frozenset({
     "topk_value_bits", "robust_norm_ratio", "robust_min_cosine", "robust_trim_fraction", "robust_max_weight_share",
     "exclude_after", "exclude_window", "exclusion_seconds", "harmful_update_rise", "harmful_updates",
     "harmful_update_window", "straggler_grace_min_seconds",
-    "keep_checkpoints", "health_window_seconds", "log_format",
+    "keep_checkpoints", "health_window_seconds", "log_format", "yield_cpu_share", "yield_gpu_share",
+    "yield_after_seconds", "resume_after_quiet_seconds",
 })
 """Flags that most runs never change: listed by --help-all only, so that --help fits a reader."""
 SHOWN_ORDER = ("Run and task", "Network", "Averaging", "Compression", "Untrusted peers", "Checkpoints",
-               "Monitoring and logs")
+               "Volunteer machine", "Monitoring and logs")
 
 
 READER_WORDING = {

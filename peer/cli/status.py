@@ -217,6 +217,7 @@ def describe_peer(info, now: float) -> Dict[str, Any]:
         "fractions": info.fractions,
         "val_loss": info.val_loss,
         "state": info.state,
+        "paused": list(info.paused),
         "uptime_seconds": round(info.uptime_seconds, 1),
         "last_seen_seconds": round(max(0.0, now - info.time), 1),
     }
@@ -237,6 +238,7 @@ def print_table(report: Dict[str, Any], clear: bool = False) -> None:
         table.add_row(
             peer["short_id"] + (" (client)" if peer["client_mode"] else ""), peer["device"],
             f"{peer['samples_per_second']:.1f}", str(peer["epoch"]), peer["bottleneck"] or "-",
+            ("paused: " + ", ".join(peer["paused"])) if peer["paused"] else
             {"agrees": "the swarm's", "apart": "apart"}.get(peer["state"], "-"),
             f"{peer['last_seen_seconds']:.0f}s ago",
         )

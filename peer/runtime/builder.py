@@ -43,17 +43,22 @@ from monitoring import (
     PeerMetrics,
     PhaseTimer,
 )
+from peer.active_hours import parse_active_hours
 from peer.checkpoint.lock import CheckpointDirLock
 from peer.checkpoint.store import CheckpointStore
 from peer.config import PeerConfig
 from peer.exit_codes import BadInput
 from peer.process.signals import StopRequest
+from peer.runtime.busy import BusyRule, MachineUse
 from peer.runtime.device import describe_device
 from peer.runtime.manifest import join_run, manifest_for
+from peer.runtime.pauser import Pauser
+from peer.runtime.pausing import PauseGate, PauseWatch
 from peer.runtime.precision import MixedPrecision
 from peer.runtime.resume import restore_model, restore_optimizer
 from peer.runtime.session import SwarmSession
-from peer.runtime.trainer import RoundTally, Trainer, seed_from_run_id
+from peer.runtime.tally import RoundTally
+from peer.runtime.trainer import Trainer, seed_from_run_id
 from peer.tasks import Task
 from peer.tasks.contract import TaskContractError, call_task, check_task
 from peer.tasks.data import make_loader
@@ -213,13 +218,30 @@ class PeerBuilder:
                                    seed=training.seed, collate_fn=task.collate_fn, pin_memory=pinned)
         val_loader = make_loader(val_set, batch_size=batch_size, workers=0, seed=0,
                                  collate_fn=task.collate_fn, shuffle=False, pin_memory=pinned)
+        gate = PauseGate()
+        pauser = Pauser(gate, self._pause_watch(gate, device), config.checkpoint.checkpoint_dir, model, optimizer,
+                        session, monitoring.observer, summary)
         trainer = Trainer(
             config, task, model, optimizer, train_loader, val_loader, device=device, session=session, rounds=rounds,
             store=store, stop=self.stop, timer=monitoring.timer, display=display, on_progress=monitoring.health.beat,
-            precision=mixed_precision, faults=self.faults,
+            precision=mixed_precision, faults=self.faults, pauser=pauser,
         )
         self.stack.callback(trainer.close)
         return trainer
+
+    def _pause_watch(self, gate: PauseGate, device: torch.device) -> PauseWatch:
+        """What pauses this peer (peer/runtime/pausing.py): `peer pause`, --active-hours, --yield-when-busy."""
+        volunteer = self.config.volunteer
+        hours = parse_active_hours(volunteer.active_hours) if volunteer.active_hours else None
+        busy = machine = None
+        if volunteer.yield_when_busy:
+            busy = BusyRule(volunteer.yield_cpu_share, volunteer.yield_gpu_share, volunteer.yield_after_seconds,
+                            volunteer.resume_after_quiet_seconds)
+            machine = MachineUse(gpu_index=device.index if device.type == "cuda" else None)
+        watch = PauseWatch(gate, self.config.checkpoint.checkpoint_dir, hours, busy, machine)
+        watch.start()
+        self.stack.callback(watch.stop)
+        return watch
 
     def publisher(self, dht: hivemind.DHT, trainer: Trainer, monitoring: Monitoring) -> PeerInfoPublisher:
         """Publishes this peer's PeerInfo every few seconds (what `peer status` and the monitor show), and its
@@ -239,6 +261,7 @@ class PeerBuilder:
             bottleneck=classifier.dominant,
             val_loss=_finite_or_none(trainer.summary.val_loss_last),
             state=trainer.rounds.state,
+            paused=sorted(trainer.pauser.gate.reasons()) if trainer.pauser else [],
         ))
         publisher.start()
         self.stack.callback(publisher.stop)

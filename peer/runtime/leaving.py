@@ -17,7 +17,9 @@ It needs a peer to download from, so a peer that finishes stays while another ma
 - a peer that announced it is downloading needs someone to serve it;
 - a peer at the same epoch that has not announced anything may still have to download: it is
   given a grace period, since peers without --max-epochs never announce;
-- a peer that announced it is done (at whatever epoch it stopped), or that is ahead, needs nothing.
+- a peer that announced it is done (at whatever epoch it stopped), or that is ahead, needs nothing;
+- nor does a paused peer (peer pause, --active-hours, --yield-when-busy): it downloads the swarm's state when it
+  resumes, from whoever is there then.
 
 Each leaving peer announces itself under "<progress key>_leaving": "downloading" first if it must,
 then "done". When every other peer is done, all leave at once instead of waiting out a timer.
@@ -27,7 +29,7 @@ from __future__ import annotations
 import enum
 from typing import Dict, Mapping, Optional, Tuple
 
-DOWNLOADING, DONE = "downloading", "done"
+DOWNLOADING, DONE, PAUSED = "downloading", "done", "paused"
 
 
 class Source(enum.Enum):
@@ -103,6 +105,8 @@ def final_state_source(epoch: int, progress: Mapping[bytes, object], leaving: Ma
         if their_epoch < epoch - 1:
             continue
         state, offers = _announced(leaving.get(owner), their_epoch)
+        if state == PAUSED:  # in no round, and it neither offers a state nor waits for one
+            continue
         if their_epoch == epoch - 1:  # may be in its last round: wait, unless it is done at that epoch
             if not waited_out and state != DONE:
                 return Source.WAIT
@@ -129,14 +133,16 @@ def _announced_copy(record: object, epoch: int) -> bool:
 
 
 def everyone_else_done(progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes) -> bool:
-    """Whether there are other peers and each has announced that it is done: nobody is left to wait for."""
-    return _everyone_else_announced(progress, leaving, me, (DONE,))
+    """Whether there are other peers and each has announced that it is done (or paused): nobody is left to wait
+    for."""
+    return _everyone_else_announced(progress, leaving, me, (DONE, PAUSED))
 
 
 def everyone_else_leaving(progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes) -> bool:
     """Whether there are other peers and each has announced that it leaves (downloading or done): none of them
-    will look for an averaging group again, so a round of this peer's that is still looking will find none."""
-    return _everyone_else_announced(progress, leaving, me, (DOWNLOADING, DONE))
+    will look for an averaging group again, so a round of this peer's that is still looking will find none (a
+    paused peer joins none either)."""
+    return _everyone_else_announced(progress, leaving, me, (DOWNLOADING, DONE, PAUSED))
 
 
 def _everyone_else_announced(progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes,
@@ -155,8 +161,8 @@ def needs_of_others(epoch: int, progress: Mapping[bytes, object], leaving: Mappi
     needs = {}
     for owner, their_epoch in _current_epochs(progress, leaving, me).items():
         state, _ = _announced(leaving.get(owner), their_epoch)
-        if state == DONE or (their_epoch > epoch and state is None):
-            needs[owner] = Need.NOTHING  # done at its own epoch (a lower --max-epochs, too), or training on ahead
+        if state in (DONE, PAUSED) or (their_epoch > epoch and state is None):
+            needs[owner] = Need.NOTHING  # done at its own epoch (a lower --max-epochs, too), paused, or ahead
         elif their_epoch < epoch or state == DOWNLOADING:
             needs[owner] = Need.SERVE
         else:

@@ -37,6 +37,7 @@ from peer.process.signals import StopRequest
 from peer.runtime.leaving import (
     DONE,
     DOWNLOADING,
+    PAUSED,
     Need,
     Source,
     everyone_else_done,
@@ -112,6 +113,16 @@ class SwarmSession:
             logger.info(f"the swarm is at epoch {global_epoch}, this peer at {local_epoch}: "
                         f"downloading state from peers")
             self.optimizer.load_state_from_peers()
+
+    # --- pausing -----------------------------------------------------------------------------
+
+    def announce_paused(self) -> None:
+        """Say (again: the record lives as long as progress records) that this peer is paused, so that peers
+        leaving at their last epoch do not stay for it (peer/runtime/leaving.py)."""
+        self._publish(self.keys.leaving, leave_record(self.optimizer.local_epoch, PAUSED))
+
+    def announce_resumed(self) -> None:
+        self._publish(self.keys.leaving, None)
 
     # --- leaving -----------------------------------------------------------------------------
 

@@ -24,21 +24,20 @@ from typing import Callable, Optional
 
 import torch
 
-from averaging.api import AveragingHooks, LoopOptimizer, RoundReport
-from averaging.codecs.compression import bytes_moved
-from averaging.pipeline.update_check import UpdateCheck, refused_peers_line
+from averaging.api import LoopOptimizer
 from monitoring import PhaseTimer
 from peer.checkpoint.store import CheckpointError, CheckpointStore
 from peer.config import PeerConfig
 from peer.process.signals import StopRequest
+from peer.runtime.pauser import Pauser
 from peer.runtime.precision import MixedPrecision
 from peer.runtime.resume import training_state
 from peer.runtime.session import SwarmSession
+from peer.runtime.tally import RoundTally
 from peer.tasks import Task
 from peer.tasks.data import endless, evaluate, move_to
 from peer.telemetry.console import ProgressDisplay
-from peer.telemetry.reports import EpochReport, TrainingObserver
-from peer.telemetry.summary import PeerSummary
+from peer.telemetry.reports import EpochReport
 from peer.testing.faults import FaultInjector
 
 logger = logging.getLogger(__name__)
@@ -50,80 +49,6 @@ noise, twenty is divergence (twenty overflows have lowered the loss scale a mill
 
 class TrainingDiverged(RuntimeError):
     """The loss stays non-finite and the swarm cannot give this peer finite weights: stop, do not spin."""
-
-
-class RoundTally:
-    """Where the optimizer's reports go: the summary's counters and the observer."""
-
-    def __init__(self, summary: PeerSummary, observer: TrainingObserver, payload_bytes: int,
-                 update_check: Optional[UpdateCheck] = None):
-        self.summary, self.observer = summary, observer
-        self.payload_bytes = payload_bytes  # after compression: one contribution and the replies to it
-        self.update_check = update_check  # None: averaged updates are not judged
-        self.last_outcome: Optional[str] = None
-        self.state: Optional[str] = None  # "agrees" or "apart": the last comparison with the swarm's state
-
-    def hooks(self, timer: PhaseTimer, faults: Optional[FaultInjector] = None) -> AveragingHooks:
-        faults = faults or FaultInjector()
-        return AveragingHooks(phase=timer.phase, round_finished=self.on_round, state_loaded=self.on_state_loaded,
-                              contribution_dropped=self.on_dropped_contribution, peer_excluded=self.on_exclusion,
-                              before_round=faults.before_round, guards_gradients=faults.guards_gradients,
-                              serve_state=faults.serve_state_hook(), state_checked=self.on_state_check,
-                              download_rejected=self.on_download_rejected, reducing_changed=self.on_reducing_changed)
-
-    def on_round(self, report: RoundReport) -> None:
-        self.last_outcome = report.outcome
-        self.summary.averaging_rounds[report.outcome] = self.summary.averaging_rounds.get(report.outcome, 0) + 1
-        if report.outcome in ("ok", "partial"):
-            self.summary.largest_group = max(self.summary.largest_group, report.group_size)
-        self.summary.averaging_sent_bytes += bytes_moved(self.payload_bytes, report.group_size, report.outcome)
-        if report.left_out > 0:
-            self.summary.late_contributions += 1
-        if self.update_check is not None:
-            self.update_check.round_finished(report)
-        self.observer.on_round(report, self.payload_bytes)
-
-    def on_reducing_changed(self, reduces: bool) -> None:
-        if not reduces:
-            self.summary.stood_aside += 1
-        self.observer.on_reducing_changed(reduces)
-
-    def on_state_loaded(self, epoch: int) -> None:
-        if self.update_check is not None:
-            self.update_check.state_loaded()
-        self.summary.state_downloads += 1
-        logger.info(f"downloaded the swarm's state: now at epoch {epoch}")
-        self.observer.on_state_loaded(epoch)
-
-    def judge_update(self, epoch: int, held_out_loss: Optional[float], optimizer: LoopOptimizer) -> None:
-        """After a global epoch: whether the averaged update it applied raised the held-out loss; after repeated
-        harmful updates, refuse the peers of those rounds (averaging/pipeline/update_check.py)."""
-        found = None if self.update_check is None else self.update_check.epoch_ended(epoch, held_out_loss)
-        if found is None:
-            return
-        logger.warning(refused_peers_line(found))
-        optimizer.refuse(found.peers)
-        self.summary.refused_peers.extend(sorted(found.peers))
-        self.observer.on_harmful_updates(found)
-
-    # the three below are called from background threads (the digest watch, the exclusion watch)
-    def on_state_check(self, check) -> None:
-        self.state = "agrees" if check.agrees else "apart"
-        if not check.agrees:
-            self.summary.state_disagreements += 1
-        self.observer.on_state_check(check)
-
-    def on_download_rejected(self, donor: str, reason: str) -> None:
-        self.summary.rejected_downloads += 1
-        self.observer.on_download_rejected(donor, reason)
-
-    def on_dropped_contribution(self, reason: str) -> None:
-        self.summary.dropped_contributions += 1
-        self.observer.on_dropped_contribution(reason)
-
-    def on_exclusion(self, peer_id: str) -> None:
-        self.summary.excluded_peers.append(peer_id)
-        self.observer.on_exclusion(peer_id)
 
 
 @dataclass
@@ -165,6 +90,7 @@ class Trainer:
         on_progress: Callable[[], None] = lambda: None,
         precision: Optional[MixedPrecision] = None,
         faults: Optional[FaultInjector] = None,
+        pauser: Optional[Pauser] = None,
     ):
         self.config, self.task, self.model, self.optimizer = config, task, model, optimizer
         self.train_loader, self.val_loader, self.device = train_loader, val_loader, device
@@ -176,6 +102,7 @@ class Trainer:
         self.batch_size = config.training.batch_size or task.batch_size
         self.precision = precision or MixedPrecision("fp32", device, model.parameters())
         self.faults = faults or FaultInjector()  # tests only (peer/testing/faults.py)
+        self.pauser = pauser  # None: nothing can pause this loop
         # GPU kernels run asynchronously: without a synchronize at phase boundaries their time would land
         # in whichever phase waits next. Only on CUDA, and only when the metrics are exported.
         measure_gpu = device.type == "cuda" and config.monitoring.metrics_port != "off"
@@ -259,6 +186,10 @@ class Trainer:
     def _train(self) -> str:
         training = self.config.training
         started = time.monotonic()
+
+        def out_of_time() -> bool:
+            return training.max_seconds is not None and time.monotonic() - started >= training.max_seconds
+
         self.model.train()
         batches = endless(self.train_loader)
         val_loss = self.validate()
@@ -277,10 +208,14 @@ class Trainer:
                 self.optimizer.wait_for_background_updates()
                 self.session.leave_at_last_epoch(self.rounds.last_outcome)
                 return "max_epochs"
-            if training.max_seconds is not None and time.monotonic() - started >= training.max_seconds:
+            if out_of_time():
                 return self._leaving("max_seconds")
             if self.stop:
                 return self._leaving(f"signal:{self.stop.signal_name}")
+            if self.pauser is not None and self.pauser.wanted:
+                self.pauser.sit_out(keep_going=lambda: not self.stop and not out_of_time())
+                stats = EpochStats(started_at=time.monotonic())  # what it had of this epoch counts no more
+                continue
 
             epoch_before = self.optimizer.local_epoch
             step_started = time.monotonic()

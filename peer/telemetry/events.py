@@ -171,6 +171,28 @@ class SwarmRejoined(Event):
     peers: List[str]
 
 
+class Paused(Event):
+    """The peer stood aside after a whole step (peer pause, --active-hours, --yield-when-busy): it counts no samples
+    and joins no round until it resumes. `reasons`: each reason that holds ("requested", "outside-active-hours",
+    "busy") with a line for a person; `parked_bytes`: the GPU memory it gave back (0 off a GPU)."""
+
+    event: Literal["paused"] = "paused"
+    epoch: int
+    reasons: Dict[str, str]
+    parked_bytes: int = 0
+
+
+class Resumed(Event):
+    """No reason to pause holds any longer: the peer trains again, at `epoch` (after a download if the swarm had
+    moved on: `downloaded`). `paused_seconds`: from pausing to now; `seconds`: what resuming itself took."""
+
+    event: Literal["resumed"] = "resumed"
+    epoch: int
+    paused_seconds: float
+    seconds: float
+    downloaded: bool
+
+
 class Leaving(Event):
     """The training loop ended; the peer checkpoints, may serve stragglers, and exits."""
 
@@ -187,7 +209,7 @@ class Exited(Event):
 AnyEvent = Annotated[
     Union[Ready, Joined, StateDownloaded, EpochEnded, RoundEnded, CheckpointWritten, BottleneckChanged,
           PeerExcluded, UpdatesRefused, StateChecked, DownloadRejected, ReducingChanged, SwarmSplit, SwarmRejoined,
-          Leaving, Exited],
+          Paused, Resumed, Leaving, Exited],
     Field(discriminator="event"),
 ]
 _ANY_EVENT = TypeAdapter(AnyEvent)

@@ -20,8 +20,10 @@ from peer.telemetry.events import (
     EventLog,
     Joined,
     Leaving,
+    Paused,
     PeerExcluded,
     ReducingChanged,
+    Resumed,
     RoundEnded,
     StateChecked,
     StateDownloaded,
@@ -101,6 +103,15 @@ class MetricsObserver(TrainingObserver):
     def on_reducing_changed(self, reduces: bool) -> None:
         self.metrics.set_reducing(reduces)
 
+    def on_paused(self, epoch: int, reasons: Dict[str, str], parked_bytes: int) -> None:
+        self.metrics.set_paused(reasons)
+        self.health.pause("; ".join(reasons.values()))
+
+    def on_resumed(self, epoch: int, paused_seconds: float, seconds: float, downloaded: bool) -> None:
+        self.metrics.set_paused(())
+        self.metrics.record_pause(paused_seconds)
+        self.health.unpause()
+
 
 class EventsObserver(TrainingObserver):
     """Writes the loop's reports to the events file (peer/telemetry/events.py); steps are too many to be events."""
@@ -144,6 +155,13 @@ class EventsObserver(TrainingObserver):
 
     def on_reducing_changed(self, reduces: bool) -> None:
         self.events.emit(ReducingChanged(reduces=reduces))
+
+    def on_paused(self, epoch: int, reasons: Dict[str, str], parked_bytes: int) -> None:
+        self.events.emit(Paused(epoch=epoch, reasons=reasons, parked_bytes=parked_bytes))
+
+    def on_resumed(self, epoch: int, paused_seconds: float, seconds: float, downloaded: bool) -> None:
+        self.events.emit(Resumed(epoch=epoch, paused_seconds=round(paused_seconds, 3), seconds=round(seconds, 3),
+                                 downloaded=downloaded))
 
     def on_leaving(self, reason: str) -> None:
         self.events.emit(Leaving(reason=reason))
@@ -216,6 +234,14 @@ class Observers(TrainingObserver):
     def on_reducing_changed(self, reduces: bool) -> None:
         for observer in self.observers:
             observer.on_reducing_changed(reduces)
+
+    def on_paused(self, epoch: int, reasons: Dict[str, str], parked_bytes: int) -> None:
+        for observer in self.observers:
+            observer.on_paused(epoch, reasons, parked_bytes)
+
+    def on_resumed(self, epoch: int, paused_seconds: float, seconds: float, downloaded: bool) -> None:
+        for observer in self.observers:
+            observer.on_resumed(epoch, paused_seconds, seconds, downloaded)
 
     def on_leaving(self, reason: str) -> None:
         for observer in self.observers:

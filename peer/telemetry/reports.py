@@ -5,7 +5,7 @@ Kept apart from the loop so that telemetry (observers.py) depends on this small 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 from averaging.api import RoundReport
 
@@ -63,6 +63,11 @@ class TrainingObserver:
 
     def on_reducing_changed(self, reduces: bool) -> None:
         """This peer stopped (False) or resumed (True) reducing parts of the average for its groups."""
+
+    def on_paused(self, epoch: int, reasons: Dict[str, str], parked_bytes: int) -> None:
+        """The loop stood aside (peer/runtime/pausing.py says why)."""
+
+    def on_resumed(self, epoch: int, paused_seconds: float, seconds: float, downloaded: bool) -> None: ...
 
     def on_leaving(self, reason: str) -> None:
         """The loop has ended, for `reason`; the peer checkpoints and leaves."""

@@ -58,6 +58,9 @@ class PeerSummary(BaseModel):
     """Rounds in which this peer's contribution came after its group's grace window and was left out."""
     stood_aside: int = 0
     """Times this peer stopped reducing parts of the average for others because it was too slow for them."""
+    pauses: int = 0
+    """Times this peer paused (peer pause, --active-hours, --yield-when-busy), and for how long in all."""
+    paused_seconds: float = 0.0
     exit_reason: str = "running"
 
     def write(self, path: Path) -> None:

@@ -112,6 +112,12 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "harmful_update_window": [lambda t: "0"],
     "straggler_grace_ratio": [lambda t: "-1", lambda t: "soon"],
     "straggler_grace_min_seconds": [lambda t: "0"],
+    "active_hours": [lambda t: "9-17", lambda t: "Mon-Fry 18:00-20:00", lambda t: "22:00-07:00,"],
+    "yield_when_busy": [lambda t: "when-idle"],
+    "yield_cpu_share": [lambda t: "0", lambda t: "1.5"],
+    "yield_gpu_share": [lambda t: "-0.1"],
+    "yield_after_seconds": [lambda t: "-1"],
+    "resume_after_quiet_seconds": [lambda t: "soon"],
 }
 
 CASES = [(name, index) for name in sorted(BAD_VALUES) for index in range(len(BAD_VALUES[name]))]

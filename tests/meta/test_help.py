@@ -34,7 +34,7 @@ def test_start_help_lists_the_common_flags_by_section_with_choices_and_defaults(
         listed = re.search(rf"^  {option.flag}[ /\n]", text, re.M) is not None
         assert listed == (option.cli_name not in TUNING), option.flag
     assert f"--help-all also lists {len(TUNING)} flags" in text
-    assert len(text.splitlines()) < 130  # was 288 lines of one flat list at this width
+    assert len(text.splitlines()) < 140  # was 288 lines of one flat list at this width (127 before "Volunteer machine")
 
 
 def test_help_all_gives_every_flag_its_description_variable_and_config_key():

@@ -30,18 +30,13 @@ from peer.config import PeerConfig, load_config
 from peer.process.signals import StopRequest
 from peer.runtime.precision import MixedPrecision
 from peer.runtime.resume import restore_model, restore_optimizer
-from peer.runtime.trainer import (
-    NONFINITE_LOSS_LIMIT,
-    EpochReport,
-    RoundTally,
-    Trainer,
-    TrainingDiverged,
-    TrainingObserver,
-)
+from peer.runtime.tally import RoundTally
+from peer.runtime.trainer import NONFINITE_LOSS_LIMIT, Trainer, TrainingDiverged
 from peer.tasks import Task, load_task
 from peer.tasks.data import make_loader
 from peer.telemetry.events import EventLog, UpdatesRefused, read_events
 from peer.telemetry.observers import EventsObserver, MetricsObserver, Observers
+from peer.telemetry.reports import EpochReport, TrainingObserver
 from peer.telemetry.summary import PeerSummary
 from tests.tasks_for_tests import FEATURES, SyntheticDataset, mse_loss, sgd
 
@@ -142,6 +137,17 @@ class FakeOptimizer:
 
     def refuse(self, peers) -> None:
         self.calls.append(("refuse", sorted(peers)))
+
+    @property
+    def task_optimizer(self) -> torch.optim.Optimizer:
+        return self.inner
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+        self.samples_accumulated = 0
+
+    def resume(self) -> None:
+        self.calls.append("resume")
 
     def state_dict(self) -> dict:
         self.calls.append("state_dict")
