@@ -86,6 +86,10 @@ class AveragingHooks:
     """A reducer of this peer left another peer's contribution out (reason: averaging/pipeline/robust.py's Drop)."""
     peer_excluded: Callable[[str], None] = lambda peer_id: None
     """This peer excluded another one (base58 id) after repeated dropped contributions."""
+    contribution_accepted: Callable[[str, float], None] = lambda peer_id, samples: None
+    """A reducer of this peer used another peer's (base58) contribution to a round, weighing `samples` (after any
+    cap): what this peer observed that peer give. Only for rounds whose weights are sample counts; called from a
+    background thread."""
     state_checked: Callable[[Any], None] = lambda check: None
     """This peer compared its state with the swarm's (averaging/swarm/digests.py StateCheck): once per change,
     and at each epoch it is found apart. Called from a background thread."""

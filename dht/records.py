@@ -49,6 +49,28 @@ CLOCK_RECORD_TTL_SECONDS = 7200.0  # dht/clock.py: long enough to reach a peer w
 MAX_DIGEST_EPOCHS = 16
 
 
+MAX_OBSERVED_PEERS = 24
+"""Peers a credit record names what it observed of (those it saw give most): it rides in a PeerInfo of 4 KiB."""
+
+
+class CreditRecord(BaseModel):
+    """What a peer says it gave the swarm, and what it observed the others give (peer/runtime/credit.py)."""
+
+    samples: confloat(ge=0.0, strict=True) = 0.0
+    """Its own claim: samples it accumulated toward epochs whose round it averaged in (ok or partial)."""
+    device_seconds: confloat(ge=0.0, strict=True) = 0.0
+    """Its compute time (forward, backward, optimizer)."""
+    sent_bytes: conint(ge=0, strict=True) = 0
+    observed: Dict[constr(strict=True, max_length=64), confloat(ge=0.0, strict=True)] = {}
+    """By base58 peer id: the samples its reducers accepted from that peer's contributions (after the caps)."""
+
+    @validator("observed")
+    def _few_observed(cls, value: dict) -> dict:  # noqa: N805 (pydantic's signature)
+        if len(value) > MAX_OBSERVED_PEERS:
+            raise ValueError(f"observed names more than {MAX_OBSERVED_PEERS} peers")
+        return value
+
+
 class PeerInfo(BaseModel):
     """What one peer tells the swarm about itself."""
 
@@ -70,6 +92,7 @@ class PeerInfo(BaseModel):
     None before a comparison, or with a strategy whose peers hold different states."""
     paused: conlist(constr(strict=True, max_length=32), max_items=4) = []
     """The reasons it is paused for now (requested, outside-active-hours, busy); empty while it trains."""
+    credit: Optional[CreditRecord] = None
 
     @validator("val_loss")
     def _finite_val_loss(cls, value: Optional[float]) -> Optional[float]:  # noqa: N805 (pydantic's signature)

@@ -69,6 +69,7 @@ class SwarmPage:
             "read": snapshot is not None,
             "swarm": snapshot["swarm"] if snapshot else None,
             "peers": snapshot["peers"] if snapshot else [],
+            "contributors": snapshot.get("contributors", []) if snapshot else [],
             "history": history,
         })
 

@@ -18,7 +18,7 @@ from hivemind.p2p import PeerID
 
 from averaging.adapter.grace import GracefulPartReducer
 from averaging.adapter.runner import CanonicalAllReduceRunner
-from averaging.pipeline.defence import Defence, Verdict
+from averaging.pipeline.defence import Credit, Defence, Verdict
 from averaging.pipeline.robust import Contribution, Drop, Finding, NothingToAggregate, WeightBound, aggregate
 from averaging.pipeline.stragglers import GraceWindow
 
@@ -44,6 +44,8 @@ class RobustPartReducer(GracefulPartReducer):
         self.offences: Dict[int, Finding] = {}  # sender index -> its first offence (a drop before a weight claim)
         self.participated: set = set()
         self.fully_judged: set = set()  # senders of a part whose direction was judged
+        self.dropped: set = set()  # senders with a part left out of this round
+        self.used_weight: Dict[int, float] = {}  # sender index -> the weight its parts were combined with
         super().__init__(part_shapes, len(self.sender_peer_ids), grace)
 
     def reset_accumulators(self):
@@ -65,6 +67,10 @@ class RobustPartReducer(GracefulPartReducer):
         for finding in [*drops, *capped]:
             if finding.is_offence:
                 self._note(finding)
+        self.dropped.update(drop.sender for drop in drops)
+        caps = {claim.sender: claim.cap for claim in capped}
+        for item in self.contributions:
+            self.used_weight[item.sender] = caps.get(item.sender, item.weight)
         if fully_judged:
             self.fully_judged.update(item.sender for item in self.contributions)
         self.current_part_future.set_result(result)
@@ -88,9 +94,19 @@ class RobustPartReducer(GracefulPartReducer):
         if not self.finished.is_set():
             try:
                 self.defence.report(self._verdicts())
+                self.defence.report_credit(self._credits())
             except (ValueError, OSError):  # the queue is closed: this peer is shutting down
                 pass
         super().finalize()
+
+    def _credits(self) -> List[Credit]:
+        """What this round's senders contributed, as this reducer accepted it: only where weights are samples."""
+        if self.weight_bound is None:
+            return []
+        return [Credit(self.sender_peer_ids[index].to_base58(), self.round_id, weight)
+                for index, weight in sorted(self.used_weight.items())
+                if index != self.own_sender and index not in self.dropped and index not in self.excluded_senders
+                and weight > 0]
 
     def _verdicts(self) -> List[Verdict]:
         verdicts = []

@@ -10,6 +10,9 @@ A Defence is made in the peer's main process and included in the pipeline of eve
   dropped for it, or none) back to the main process through the Defence's queue; there an ExclusionBook
   (averaging/pipeline/exclusion.py) decides who is excluded and writes the excluded peer ids into the
   Defence's shared memory;
+- each reducer of an averager whose weights are sample counts also sends what it accepted of each sender in each
+  round (its capped weight, unless its contribution was dropped): the Credit that this peer observed of the others,
+  which it publishes for `peer status` to set beside each peer's own claim;
 - every averager process reads that list: it refuses excluded peers as followers and as leaders in
   matchmaking, neither serves its state to one nor downloads state from one, and drops what one sends
   in a group that another leader formed with it.
@@ -39,6 +42,15 @@ class Verdict:
     offence whose contribution was still used (a weight claim, capped) or that was no contribution (a bad state)."""
 
 
+@dataclass(frozen=True)
+class Credit:
+    """The samples one reducer accepted from one sender in one round (its weight, after any cap)."""
+
+    peer: str  # base58
+    round_id: str
+    samples: float
+
+
 class Defence(RoundStage):
     """The policy, the excluded peers and the verdict queue that a peer's averager processes share."""
 
@@ -46,6 +58,7 @@ class Defence(RoundStage):
         self.policy = policy
         self._excluded = SharedPeerSet()
         self._verdicts = mp.Queue()
+        self._credits = mp.Queue()
 
     def excluded(self) -> frozenset:
         """The excluded peers, as PeerIDs (read from shared memory, parsed once per change)."""
@@ -61,6 +74,19 @@ class Defence(RoundStage):
         for verdict in verdicts:
             self._verdicts.put(verdict)
 
+    def report_credit(self, credits: List[Credit]) -> None:
+        for credit in credits:
+            self._credits.put(credit)
+
+    def take_credits(self) -> List[Credit]:
+        """Credits sent since the last call, without waiting."""
+        taken = []
+        try:
+            while True:
+                taken.append(self._credits.get_nowait())
+        except queue.Empty:
+            return taken
+
     def take_verdicts(self, timeout: float) -> List[Verdict]:
         """Verdicts sent since the last call; waits up to `timeout` seconds for the first one."""
         taken = []
@@ -72,5 +98,6 @@ class Defence(RoundStage):
             return taken
 
     def close(self) -> None:
-        self._verdicts.close()
-        self._verdicts.cancel_join_thread()  # a verdict nobody reads must not hold up this process's exit
+        for channel in (self._verdicts, self._credits):
+            channel.close()
+            channel.cancel_join_thread()  # what nobody reads must not hold up this process's exit

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
-from averaging.pipeline.defence import Defence, Verdict
+from averaging.pipeline.defence import Credit, Defence, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +82,15 @@ class ExclusionBook:
 
 class ExclusionWatch:
     """A thread in the peer's main process: reads the verdicts its averager processes send, keeps the
-    book, and shares the excluded list back with them."""
+    book, and shares the excluded list back with them; passes on the credits they send (on_credit)."""
 
     POLL_SECONDS = 0.5
 
     def __init__(self, defence: Defence, book: ExclusionBook, on_drop: Callable[[str], None] = lambda reason: None,
-                 on_exclude: Callable[[str], None] = lambda peer: None):
+                 on_exclude: Callable[[str], None] = lambda peer: None,
+                 on_credit: Callable[[List[Credit]], None] = lambda credits: None):
         self.defence, self.book = defence, book
-        self.on_drop, self.on_exclude = on_drop, on_exclude
+        self.on_drop, self.on_exclude, self.on_credit = on_drop, on_exclude, on_credit
         self._refused: Set[str] = set()  # refused for harmful updates (averaging/pipeline/update_check.py)
         self._lock = threading.Lock()  # refuse() comes from the training thread
         self._stop = threading.Event()
@@ -100,6 +101,9 @@ class ExclusionWatch:
         while not self._stop.is_set():
             try:
                 self._take(self.defence.take_verdicts(timeout=self.POLL_SECONDS))
+                credits = self.defence.take_credits()
+                if credits:
+                    self.on_credit(credits)
             except Exception:  # a listener's bug must not end exclusion for the rest of the run
                 logger.exception("the exclusion watch failed to take verdicts; it goes on")
 

@@ -47,8 +47,10 @@ def build_swarm_optimizer(
         trim_fraction=config.robust_trim_fraction,
     ))
     book = ExclusionBook(ExclusionRule(config.exclude_after, config.exclude_window, config.exclusion_seconds))
-    exclusion = ExclusionWatch(defence, book, on_drop=replica.hooks.contribution_dropped,
-                               on_exclude=replica.hooks.peer_excluded)
+    hooks = replica.hooks
+    exclusion = ExclusionWatch(defence, book, on_drop=hooks.contribution_dropped, on_exclude=hooks.peer_excluded,
+                               on_credit=lambda credits: [hooks.contribution_accepted(credit.peer, credit.samples)
+                                                          for credit in credits])
     rounds = RoundKeeper(replica.hooks, _deadlines(config), exclusion=exclusion)
     strategy = STRATEGIES[config.strategy]
     agreement = None

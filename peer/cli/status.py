@@ -114,6 +114,7 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> 
     """One snapshot: {"swarm": totals, "peers": one dict per live peer, "manifest": the run's settings or None}."""
     from hivemind.utils import get_dht_time
 
+    from dht.credit import contributors
     from dht.keys import SwarmKeys
     from dht.manifest import held_by_peers, read_manifests, runs_manifest
     from dht.records import read_peer_infos
@@ -146,7 +147,7 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> 
     if manifest is not None:
         manifest = {"protocol": manifest.protocol, "settings": manifest.settings, "owner": fingerprint(manifest.owner),
                     "held_by_peers": sum(1 for copy in held_by_peers(copies, infos).values() if copy == manifest)}
-    return {"swarm": swarm, "peers": peers, "manifest": manifest}
+    return {"swarm": swarm, "peers": peers, "manifest": manifest, "contributors": contributors(latest.values())}
 
 
 def claim_filter(config: PeerConfig):
@@ -250,6 +251,7 @@ def print_table(report: Dict[str, Any], clear: bool = False) -> None:
                   f"global epoch {swarm['global_epoch']}")
     console.print(f"next epoch: {swarm['samples_accumulated']}/{swarm['target_batch_size']} samples "
                   f"({swarm['progress']:.0%}), ETA {'unknown' if eta is None else f'~{eta:.0f}s'}")
+    print_contributors(console, report.get("contributors") or [])
     manifest = report.get("manifest")
     if manifest is None:
         console.print("manifest: none readable (with --swarm-key, pass the swarm's key file)")
@@ -257,3 +259,20 @@ def print_table(report: Dict[str, Any], clear: bool = False) -> None:
         settings = ", ".join(f"{name} {value}" for name, value in sorted(manifest["settings"].items()))
         console.print(f"manifest (protocol {manifest['protocol']}, signed by run owner {manifest['owner']}, held by "
                       f"{manifest['held_by_peers']} live peers): {settings}", soft_wrap=True)
+
+
+def print_contributors(console, rows: List[Dict[str, Any]]) -> None:
+    """Each peer's own claim beside the median of what the others observed of it (dht/credit.py)."""
+    from rich.table import Table
+
+    if not rows:
+        return
+    table = Table(title="contributors (samples: claimed by the peer, observed by the others)", title_justify="left")
+    for column in ("peer", "claimed", "observed", "observers", "compute", "sent"):
+        table.add_column(column, justify="left" if column == "peer" else "right", no_wrap=True)
+    for row in rows:
+        observed = row["observed_samples"]
+        table.add_row(row["peer_id"][-SHORT_ID_CHARS:], str(row["claimed_samples"]),
+                      "-" if observed is None else str(observed), str(row["observers"]),
+                      f"{row['device_seconds']:.0f}s", f"{row['sent_bytes'] / 2**20:.1f} MiB")
+    console.print(table)

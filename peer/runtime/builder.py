@@ -50,6 +50,7 @@ from peer.config import PeerConfig
 from peer.exit_codes import BadInput
 from peer.process.signals import StopRequest
 from peer.runtime.busy import BusyRule, MachineUse
+from peer.runtime.credit import CreditLedger
 from peer.runtime.device import describe_device
 from peer.runtime.manifest import join_run, manifest_for
 from peer.runtime.pauser import Pauser
@@ -201,8 +202,10 @@ class PeerBuilder:
         self._join_run(dht, task.name, model)
         payload_bytes = round_payload_bytes(config.averaging, list(model.parameters()),
                                             opt_statistics=len(config.averaging.average_opt_statistics))
+        credit = CreditLedger(lambda: monitoring.timer.category_totals().get("compute", 0.0),
+                              lambda: summary.averaging_sent_bytes)
         rounds = RoundTally(summary, monitoring.observer, payload_bytes,
-                            update_check(config.averaging, summary.peer_id))
+                            update_check(config.averaging, summary.peer_id), credit)
         optimizer = build_swarm_optimizer(config.averaging, Replica(
             dht=dht, keys=self.keys, params=model.parameters(), optimizer_factory=task.build_optimizer,
             scheduler_factory=task.build_scheduler, batch_size=batch_size, client_mode=config.dht.client_mode,
@@ -262,6 +265,7 @@ class PeerBuilder:
             val_loss=_finite_or_none(trainer.summary.val_loss_last),
             state=trainer.rounds.state,
             paused=sorted(trainer.pauser.gate.reasons()) if trainer.pauser else [],
+            credit=trainer.rounds.credit.record(),
         ))
         publisher.start()
         self.stack.callback(publisher.stop)

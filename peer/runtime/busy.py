@@ -39,7 +39,7 @@ class MachineUse:
     def __init__(self, root_pid: Optional[int] = None, gpu_index: Optional[int] = None):
         self.root = psutil.Process(root_pid or os.getpid())
         self._last: Optional[tuple] = None
-        self._gpu = _NvmlGpu.open(gpu_index) if gpu_index is not None else None
+        self._gpu = NvmlGpu.open(gpu_index) if gpu_index is not None else None
 
     def read(self) -> Optional[Use]:
         """The others' use since the previous reading; None at the first (nothing to compare with yet)."""
@@ -77,7 +77,7 @@ def _cpu_seconds(processes: list) -> float:
     return total
 
 
-class _NvmlGpu:
+class NvmlGpu:
     """One GPU through NVML: the share of its memory, or of its time, that processes outside `ours` use."""
 
     def __init__(self, nvml, handle):
@@ -85,7 +85,7 @@ class _NvmlGpu:
         self._last_sample = 0
 
     @classmethod
-    def open(cls, index: int) -> Optional["_NvmlGpu"]:
+    def open(cls, index: int) -> Optional["NvmlGpu"]:
         try:
             import pynvml  # the nvidia-ml-py package, where an NVIDIA driver is installed
 

@@ -12,6 +12,7 @@ from averaging.api import AveragingHooks, LoopOptimizer, RoundReport
 from averaging.codecs.compression import bytes_moved
 from averaging.pipeline.update_check import UpdateCheck, refused_peers_line
 from monitoring import PhaseTimer
+from peer.runtime.credit import CreditLedger
 from peer.telemetry.reports import TrainingObserver
 from peer.telemetry.summary import PeerSummary
 from peer.testing.faults import FaultInjector
@@ -23,8 +24,9 @@ class RoundTally:
     """Where the optimizer's reports go: the summary's counters and the observer."""
 
     def __init__(self, summary: PeerSummary, observer: TrainingObserver, payload_bytes: int,
-                 update_check: Optional[UpdateCheck] = None):
+                 update_check: Optional[UpdateCheck] = None, credit: Optional[CreditLedger] = None):
         self.summary, self.observer = summary, observer
+        self.credit = credit or CreditLedger(lambda: 0.0, lambda: summary.averaging_sent_bytes)
         self.payload_bytes = payload_bytes  # after compression: one contribution and the replies to it
         self.update_check = update_check  # None: averaged updates are not judged
         self.last_outcome: Optional[str] = None
@@ -36,7 +38,8 @@ class RoundTally:
                               contribution_dropped=self.on_dropped_contribution, peer_excluded=self.on_exclusion,
                               before_round=faults.before_round, guards_gradients=faults.guards_gradients,
                               serve_state=faults.serve_state_hook(), state_checked=self.on_state_check,
-                              download_rejected=self.on_download_rejected, reducing_changed=self.on_reducing_changed)
+                              download_rejected=self.on_download_rejected, reducing_changed=self.on_reducing_changed,
+                              contribution_accepted=self.credit.observed)
 
     def on_round(self, report: RoundReport) -> None:
         self.last_outcome = report.outcome
@@ -61,6 +64,11 @@ class RoundTally:
         self.summary.state_downloads += 1
         logger.info(f"downloaded the swarm's state: now at epoch {epoch}")
         self.observer.on_state_loaded(epoch)
+
+    def epoch_ended(self, samples: int) -> None:
+        """This peer's samples of the epoch just ended count as given if its round averaged them."""
+        self.credit.epoch_ended(samples, self.last_outcome or "")
+        self.summary.credit_samples = self.credit.samples
 
     def judge_update(self, epoch: int, held_out_loss: Optional[float], optimizer: LoopOptimizer) -> None:
         """After a global epoch: whether the averaged update it applied raised the held-out loss; after repeated

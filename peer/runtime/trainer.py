@@ -306,6 +306,7 @@ class Trainer:
 
     def _finish_epoch(self, stats: EpochStats) -> None:
         epoch = self.optimizer.local_epoch
+        self.rounds.epoch_ended(stats.samples)
         val_loss = self.validate()
         self.rounds.judge_update(epoch, val_loss, self.optimizer)
         self.summary.global_epoch = epoch

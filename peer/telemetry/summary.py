@@ -58,6 +58,8 @@ class PeerSummary(BaseModel):
     """Rounds in which this peer's contribution came after its group's grace window and was left out."""
     stood_aside: int = 0
     """Times this peer stopped reducing parts of the average for others because it was too slow for them."""
+    credit_samples: int = 0
+    """Samples this peer gave: accumulated toward epochs whose round it averaged in (peer/runtime/credit.py)."""
     pauses: int = 0
     """Times this peer paused (peer pause, --active-hours, --yield-when-busy), and for how long in all."""
     paused_seconds: float = 0.0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import List, Optional, Sequence, Union
 
 import hivemind
@@ -140,6 +141,21 @@ def test_a_sign_flipped_over_claimer_of_three_is_outvoted_capped_and_reported():
             assert claim.detail == "claimed 160 samples, counted 32, at most 96 plausible", claim
             # a group of three cannot tell a sign flip, so an honest sender gets no verdict rather than a clean one
             assert set(verdicts) == {liar_id}, verdicts
+        # what each honest reducer credits the others with: the liar's capped weight, never its claim, and never
+        # its own samples (a reducer whose part failed under load credits nothing: one of the two must have)
+        credited = [credits_of(defence) for defence in defences[:2]]
+        expected = [{liar_id: 32.0, group[1 - index].peer_id.to_base58(): batch} for index in range(2)]
+        assert all(credits in ({}, wanted) for credits, wanted in zip(credited, expected)), credited
+        assert any(credited), credited
+
+
+def credits_of(defence: Defence, wait_seconds: float = 5.0) -> dict:
+    """The credits a defence's reducer sent for the round (they follow its verdicts), by peer."""
+    deadline, taken = time.monotonic() + wait_seconds, []
+    while not taken and time.monotonic() < deadline:
+        taken = defence.take_credits()
+        time.sleep(0.05)
+    return {credit.peer: credit.samples for credit in taken}
 
 
 def assert_parts_averaged_or_kept(result: torch.Tensor, mean: torch.Tensor, own: torch.Tensor) -> None:

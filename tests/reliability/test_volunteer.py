@@ -61,8 +61,13 @@ async def test_a_paused_peer_holds_up_no_round_counts_nothing_and_resumes_into_t
                        for event in volunteer.events)
         table = await peer_command(tmp_path, "status", "--json", "--initial-peers", first.address,
                                    "--run-owner", first.run_owner, "--timeout-seconds", "30")
-        listed = {peer["peer_id"]: peer for peer in json.loads(table.stdout.splitlines()[-1])["peers"]}
+        report = json.loads(table.stdout.splitlines()[-1])
+        listed = {peer["peer_id"]: peer for peer in report["peers"]}
         assert listed[volunteer.peer_id]["paused"] == ["requested"] and listed[first.peer_id]["paused"] == []
+        # credit: each training peer's claim, and what the other two accepted of its contributions
+        credit = {row["peer_id"]: row for row in report["contributors"]}
+        for peer in (first, second):
+            assert credit[peer.peer_id]["claimed_samples"] > 0 and credit[peer.peer_id]["observed_samples"] > 0, credit
 
         done = await peer_command(tmp_path, "resume", "--checkpoint-dir", str(tmp_path / volunteer.name))
         assert done.returncode == 0 and "resumed" in done.stdout, done.stdout + done.stderr
