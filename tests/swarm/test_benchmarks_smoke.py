@@ -172,3 +172,13 @@ def test_uplink_smoke(tmp_path: Path):
     assert plot.exists() == (results["plot"] is not None)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout.split()
     assert not [name for name in listed if re.fullmatch(rf"stb{pid % 100000}(hub|p\d+)", name)], listed
+
+
+@pytest.mark.timeout(150)
+def test_pause_smoke(tmp_path: Path):
+    results, _ = run_benchmark("pause", tmp_path, "--pause-seconds", "3", timeout=130)
+    assert {"task", "rounds", "fresh_seconds", "resume_seconds", "ratio", "gpu", "skipped"} <= results.keys()
+    assert [row["setup"] for row in results["rounds"]] == ["fresh", "resume"]
+    resume = results["rounds"][1]
+    assert resume["command_exits"] == [0, 0] and {"pause_seconds", "resuming_seconds", "downloaded"} <= resume.keys()
+    assert STATS <= results["ratio"].keys()
