@@ -1,7 +1,7 @@
 """peer: the daemon itself, the composition root that may import every other package.
 
 - config.py: PeerConfig (one sub-config per package) and the one function that resolves it;
-- cli/: the `peer` commands (start, bootstrap, status, monitor, swarm), their options and the checks made
+- cli/: the `peer` commands (start, bootstrap, status, monitor, swarm, pause, resume), their options and the checks made
   before torch and hivemind are imported;
 - runtime/: assembling a peer (builder.py), the training loop, membership in the swarm (joining, leaving),
   the run manifest, device and precision;

@@ -45,3 +45,10 @@ def peer_rows(chrome) -> list:
     return chrome.execute_script(
         "return [...document.querySelectorAll('#peers tbody tr')].map("
         "row => [row.dataset.peer, ...[...row.cells].slice(1).map(cell => cell.textContent)])")
+
+
+def contributor_rows(chrome) -> list:
+    """Each row of the contributors table as text: peer, claimed, observed, observers, compute, sent."""
+    return chrome.execute_script(
+        "return [...document.querySelectorAll('#contributors tbody tr')].map(row => [...row.cells].map("
+        "cell => cell.textContent))")

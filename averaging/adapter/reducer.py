@@ -103,7 +103,7 @@ class RobustPartReducer(GracefulPartReducer):
         """What this round's senders contributed, as this reducer accepted it: only where weights are samples."""
         if self.weight_bound is None:
             return []
-        return [Credit(self.sender_peer_ids[index].to_base58(), self.round_id, weight)
+        return [Credit(self.sender_peer_ids[index].to_base58(), weight)
                 for index, weight in sorted(self.used_weight.items())
                 if index != self.own_sender and index not in self.dropped and index not in self.excluded_senders
                 and weight > 0]

@@ -47,7 +47,6 @@ class Credit:
     """The samples one reducer accepted from one sender in one round (its weight, after any cap)."""
 
     peer: str  # base58
-    round_id: str
     samples: float
 
 

@@ -44,7 +44,9 @@ async def test_a_paused_peer_holds_up_no_round_counts_nothing_and_resumes_into_t
         assert paused.reasons == {"requested": "requested by peer pause"} and paused.parked_bytes == 0  # on a CPU
         status, body = get(port_of(volunteer.metrics_url), "/healthz")
         assert status == 200 and body.startswith("ok: paused: requested by peer pause"), body
-        assert scrape(port_of(volunteer.metrics_url))[("peer_paused", (("reason", "requested"),))] == 1
+        metrics = scrape(port_of(volunteer.metrics_url))
+        assert metrics[("peer_paused", (("reason", "requested"),))] == 1
+        samples_when_paused = metrics[("peer_samples_total", ())]
 
         # the other two train on, in groups of two: no round waits on the paused peer
         goal = max(first.epoch, second.epoch) + 4
@@ -56,7 +58,8 @@ async def test_a_paused_peer_holds_up_no_round_counts_nothing_and_resumes_into_t
             rounds = [event for event in events[since:] if isinstance(event, RoundEnded)]
             assert rounds and all(event.group_size <= 2 and event.outcome in ("ok", "partial") for event in rounds), \
                 rounds
-        # and the paused one counts nothing: no epoch, no round, while it is paused
+        # and the paused one counts nothing: no sample, no epoch, no round, while it is paused
+        assert scrape(port_of(volunteer.metrics_url))[("peer_samples_total", ())] == samples_when_paused
         assert not any(isinstance(event, (EpochEnded, RoundEnded)) and event.time > paused.time
                        for event in volunteer.events)
         table = await peer_command(tmp_path, "status", "--json", "--initial-peers", first.address,

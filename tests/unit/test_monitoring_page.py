@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from monitoring import MetricsExporter
 from monitoring.swarm_page import SwarmPage
-from tests.browser import headless_chromium, peer_rows, wait_for
+from tests.browser import contributor_rows, headless_chromium, peer_rows, wait_for
 from tests.http import get
 from tests.unit.test_swarm_collector import snapshot
 
@@ -99,6 +99,12 @@ def test_browser_draws_peers_as_text_and_follows_updates_without_reload():
     page = SwarmPage(lambda: (True, "ok"), refresh_seconds=1.0, clock=clock)
     hostile = swarm_snapshot(2.5, 2.4)
     hostile["peers"][0]["device"] = '<img id="injected" src="x">'  # records are written by other machines
+    hostile["peers"][1]["paused"] = ["busy"]
+    hostile["contributors"] = [
+        {"peer_id": "b" * 8, "claimed_samples": 960, "observed_samples": 944, "observers": 1, "device_seconds": 75.0,
+         "sent_bytes": 3 * 2**20},
+        {"peer_id": '<b id="bold">' + "a" * 8, "claimed_samples": 10**6, "observed_samples": None, "observers": 0,
+         "device_seconds": 1.5, "sent_bytes": 0}]
     page.update(hostile)
     exporter = serve(page)
     try:
@@ -109,6 +115,10 @@ def test_browser_draws_peers_as_text_and_follows_updates_without_reload():
             assert chrome.find_elements("id", "injected") == []
             assert peer_rows(chrome)[0][1] == '<img id="injected" src="x">'
             assert chrome.find_element("id", "epoch").text == "3"
+            assert peer_rows(chrome)[1][-1] == "paused: busy"
+            assert contributor_rows(chrome) == [["bbbbbbbb", "960", "944", "1", "1 min 15 s", "3.0 MiB"],
+                                                ["aaaaaaaa", "1000000", "–", "0", "1.5 s", "0.0 MiB"]]
+            assert chrome.find_elements("id", "bold") == []
 
             clock.now += 5
             page.update(swarm_snapshot(2.0, epoch=4))
