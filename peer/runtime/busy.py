@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Set
+from typing import Callable, Dict, Optional, Set
 
 import psutil
 
@@ -38,19 +38,23 @@ class MachineUse:
 
     def __init__(self, root_pid: Optional[int] = None, gpu_index: Optional[int] = None):
         self.root = psutil.Process(root_pid or os.getpid())
-        self._last: Optional[tuple] = None
+        self._last: Optional[tuple] = None  # (when, the machine's busy seconds)
+        self._own: Dict[int, float] = {}  # pid -> its CPU seconds at the last reading
         self._gpu = NvmlGpu.open(gpu_index) if gpu_index is not None else None
 
     def read(self) -> Optional[Use]:
         """The others' use since the previous reading; None at the first (nothing to compare with yet)."""
         tree = self._tree()
         now, busy, own = time.monotonic(), _machine_busy_seconds(), _cpu_seconds(tree)
-        last, self._last = self._last, (now, busy, own)
+        last, self._last = self._last, (now, busy)
+        # per process, so that a child that exits (taking its CPU time with it) does not make the rest look busy;
+        # a child born since counts whole
+        own_used = sum(seconds - self._own.get(pid, 0.0) for pid, seconds in own.items())
+        self._own = own
         if last is None:
             return None
         elapsed = (now - last[0]) * (psutil.cpu_count() or 1)
-        # a child that exited takes its CPU time with it: never below zero
-        others = max(0.0, (busy - last[1]) - max(0.0, own - last[2]))
+        others = max(0.0, (busy - last[1]) - own_used)
         gpu = self._gpu.others_share({process.pid for process in tree}) if self._gpu is not None else None
         return Use(min(1.0, others / elapsed) if elapsed > 0 else 0.0, gpu)
 
@@ -62,19 +66,21 @@ class MachineUse:
 
 
 def _machine_busy_seconds() -> float:
+    """CPU time every process of this machine used (guest time is already in user time; steal is another VM's)."""
     times = psutil.cpu_times()
-    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+    return sum(getattr(times, field, 0.0) for field in ("user", "nice", "system", "irq", "softirq"))
 
 
-def _cpu_seconds(processes: list) -> float:
-    total = 0.0
+def _cpu_seconds(processes: list) -> Dict[int, float]:
+    """Each process's CPU seconds so far, by pid."""
+    used = {}
     for process in processes:
         try:
             times = process.cpu_times()
         except psutil.Error:  # exited since it was listed
             continue
-        total += times.user + times.system
-    return total
+        used[process.pid] = times.user + times.system
+    return used
 
 
 class NvmlGpu:
