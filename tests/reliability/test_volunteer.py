@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.telemetry.events import EpochEnded, Paused, Resumed, RoundEnded
+from peer.telemetry.events import EpochEnded, Paused, Resumed, RoundEnded, StateDownloaded
 from peer.testing import Swarm, load_model_state, max_parameter_difference
 from tests.http import get, scrape
 from tests.peers import REPO_ROOT
@@ -75,8 +75,12 @@ async def test_a_paused_peer_holds_up_no_round_counts_nothing_and_resumes_into_t
         done = await peer_command(tmp_path, "resume", "--checkpoint-dir", str(tmp_path / volunteer.name))
         assert done.returncode == 0 and "resumed" in done.stdout, done.stdout + done.stderr
         resumed = await volunteer.wait_for(Resumed, timeout=5, what="the resume")
-        assert resumed.downloaded and resumed.epoch >= goal - 1, resumed  # the swarm's state, not its own stale one
-        await volunteer.reach(resumed.epoch + 2, timeout=120)  # training again, with the others
+        if resumed.downloaded:
+            assert resumed.epoch >= goal - 1, resumed  # the swarm's state, not its own stale one
+        else:  # under suite load every donor's digest of its epoch was still unpublished (CI): its next steps retry
+            await volunteer.wait_for(StateDownloaded, lambda event: event.time >= resumed.time, timeout=180,
+                                     what="the swarm's state after the resume")
+        await volunteer.reach(max(first.epoch, second.epoch) + 2, timeout=120)  # training again, with the others
         swarm.end_soon(peers)
         assert await swarm.all_exited(timeout=150) == [0, 0, 0]
 

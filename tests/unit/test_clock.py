@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from dht.clock import ClockJudge
+from dht.clock import LOOKS_TO_JUDGE, ClockJudge
 
 A, B, C = b"a", b"b", b"c"
 PERIOD, SKEW = 5.0, 5.0
@@ -47,3 +47,27 @@ def test_one_peer_behind_among_two_does_not_make_a_right_clock_look_ahead():
     judge.look({A: 100.0, B: -3500.0}, now=100.0)
     judge.look({A: 105.0, B: -3495.0}, now=106.0)  # b's clock is an hour behind; a agrees with us
     assert judge.lead_seconds is None
+
+
+def test_writers_slowed_by_load_are_late_not_a_sign_of_a_fast_clock(caplog):
+    """Eight peers on 2 cores: every writer's thread ran late, its records were 10-13 s old when read, and every
+    peer warned that its clock was ahead. A writer's own stamps show how long its interval really was."""
+    judge = ClockJudge(max_skew_seconds=SKEW, period_seconds=PERIOD)
+    with caplog.at_level(logging.INFO, logger="dht.clock"):
+        for look in range(6):  # each writer rewrites every 16 s instead of 5; each record is read 14 s old
+            written = 100.0 + 16 * look
+            judge.look({A: written, B: written + 1, C: written + 2}, now=written + 16)
+    assert judge.lead_seconds is None and "clock is at least" not in caplog.text
+
+
+def test_one_late_look_is_no_skew_and_a_lag_that_holds_is(caplog):
+    judge = ClockJudge(max_skew_seconds=SKEW, period_seconds=PERIOD)
+    with caplog.at_level(logging.INFO, logger="dht.clock"):
+        judge.look({A: 100.0, B: 100.0}, now=101.0)
+        judge.look({A: 105.0, B: 105.0}, now=122.0)  # this peer's own look ran 16 s late once
+        judge.look({A: 110.0, B: 110.0}, now=111.0)
+        judge.look({A: 115.0, B: 115.0}, now=116.0)
+        assert judge.lead_seconds is None
+        for look in range(LOOKS_TO_JUDGE):  # now this clock jumps 12 s ahead, and stays there
+            judge.look({A: 120.0 + 5 * look, B: 120.0 + 5 * look}, now=121.0 + 5 * look + 12)
+    assert judge.lead_seconds == 8.0 and caplog.text.count("this peer's clock is at least 8s ahead") == 1
