@@ -15,6 +15,7 @@ modules split out of the former averaging/hivemind_compat.py keep their history 
 - recorded_steps.py: every round started in this process is recorded (`open_rounds`), so that a leaving peer
   can drop the rounds nobody will join;
 - progress_filter.py: a progress tracker reads only the progress records its ClaimFilter believes;
+- late_stores.py: DHT stores hivemind fires and never awaits have their timeouts retrieved (no asyncio noise);
 - codec_registry.py: our codecs' wire ids, taught to hivemind's decoder;
 - allreduce.py: the round pipeline (averaging/pipeline/) driven inside each averager's all-reduce;
 - runner.py: canonical replies (every peer of a group takes the same bytes of each part's average);

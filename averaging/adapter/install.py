@@ -10,7 +10,16 @@ from typing import Callable, Dict
 
 import hivemind
 
-from averaging.adapter import allreduce, grace, numpy2, pacing, progress_filter, recorded_steps, refusals
+from averaging.adapter import (
+    allreduce,
+    grace,
+    late_stores,
+    numpy2,
+    pacing,
+    progress_filter,
+    recorded_steps,
+    refusals,
+)
 from averaging.adapter.codec_registry import register_codecs
 from averaging.adapter.upstream import (
     PINNED_VERSION,
@@ -24,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 PATCHES: Dict[str, Callable] = {
     **numpy2.PATCHES, **pacing.PATCHES, **recorded_steps.PATCHES, **progress_filter.PATCHES,
-    **allreduce.PATCHES, **refusals.PATCHES, **grace.PATCHES,
+    **allreduce.PATCHES, **refusals.PATCHES, **grace.PATCHES, **late_stores.PATCHES,
 }
 """Every upstream function the adapter replaces, by qualified name."""
 remember_originals(PATCHES)

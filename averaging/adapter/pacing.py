@@ -11,6 +11,8 @@ from hivemind.averaging.averager import DecentralizedAverager
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.utils import get_dht_time
 
+from averaging.adapter.late_stores import retrieve_timeout
+
 LOOKUP_INTERVAL_SECONDS = 0.1
 DECLARE_INTERVAL_SECONDS = 0.5
 
@@ -41,13 +43,14 @@ async def paced_get_averagers(self: GroupKeyManager, group_key, only_active: boo
 
 
 async def paced_declare_for_download_periodically(self: DecentralizedAverager):
-    # upstream's DecentralizedAverager._declare_for_download_periodically, plus the pause marked below
+    # upstream's DecentralizedAverager._declare_for_download_periodically, plus the pause marked below, and its
+    # stores' timeouts retrieved
     download_key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
     sharing_was_allowed = self.allow_state_sharing
     while True:
         expiration_time = get_dht_time() + self.declare_state_period
         if self.allow_state_sharing or sharing_was_allowed:
-            asyncio.create_task(
+            declared = asyncio.create_task(  # retrieved when it times out under load (adapter/late_stores.py)
                 asyncio.wait_for(
                     self.dht.store(
                         download_key,
@@ -59,6 +62,7 @@ async def paced_declare_for_download_periodically(self: DecentralizedAverager):
                     timeout=expiration_time - get_dht_time(),
                 )
             )
+            declared.add_done_callback(retrieve_timeout)
             sharing_was_allowed = self.allow_state_sharing
         self._state_updated.clear()
         # the pause: an update that arrives meanwhile leaves _state_updated set, so the next store carries it

@@ -98,7 +98,8 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_AVERAGER}.load_state_from_peers": ("973fae40a3d1e16f", "averaging/adapter/state_averager.py"),
     f"{_TRACKER}._parse_swarm_progress_data": ("1b5ad87469d3c13f", "averaging/adapter/progress_filter.py"),
     # read or driven from outside
-    f"{_TRACKER}._progress_reporter": ("affc9ed95108eacf", "averaging/swarm/progress.py"),
+    f"{_TRACKER}._progress_reporter": ("affc9ed95108eacf",
+                                       "averaging/swarm/progress.py, averaging/adapter/late_stores.py"),
     f"{_TRACKER}._progress_fetcher": ("ed458942519098a2", "averaging/swarm/progress.py"),
     "hivemind.optim.power_sgd_averager.PowerSGDGradientAverager.__init__":
         ("cabf7da27882b293", "averaging/codecs/compression.py"),
