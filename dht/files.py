@@ -1,5 +1,5 @@
 """Reading the small files that flags name (--config, --swarm-key, --initial-peers-file, --identity), and
-creating the private key files a peer keeps (--identity, the run owner's key).
+writing the private files a peer keeps (--identity, the run owner's key, its summary and pause state).
 
 A path can name something that blocks on open (a FIFO with no writer), never ends (/dev/zero) or is
 far too large to be a setting. Each is refused from its stat, before it is opened, in one line that
@@ -7,10 +7,12 @@ names the file and the fix; what is read is capped, in case the file grows meanw
 """
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 MAX_INPUT_FILE_BYTES = 1 << 20  # a config, key or address list is a few KiB at most
 
@@ -51,6 +53,19 @@ def read_input_text(path: Path, max_bytes: int = MAX_INPUT_FILE_BYTES) -> str:
 
 
 PRIVATE_FILE_MODE = 0o600
+
+
+def replace_private_json(path: Path, value, indent: Optional[int] = None) -> None:
+    """Replace `path` with `value` as JSON, atomically (a reader sees the old file or the whole new one), readable
+    and writable by its owner alone. :raises OSError: it cannot be written"""
+    parent = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")  # mkstemp creates 0600
+    try:
+        with os.fdopen(fd, "w") as file:
+            json.dump(value, file, indent=indent)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def create_private_file(path: Path, data: bytes) -> None:

@@ -18,13 +18,13 @@ import json
 import logging
 import os
 import stat
-import tempfile
 import threading
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
+from dht.files import replace_private_json
 from peer.active_hours import ActiveHours
 from peer.runtime.busy import BusyRule, MachineUse
 
@@ -77,21 +77,10 @@ def describe(reasons: Dict[str, str]) -> str:
 # --- the files between `peer pause`/`peer resume` and the running peer --------------------------------------
 
 
-def write_private_json(path: Path, value: dict) -> None:
-    """Replace `path` atomically with `value`, readable and writable by its owner alone."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # created 0600
-    try:
-        with os.fdopen(fd, "w") as file:
-            json.dump(value, file)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
 def request(directory: Path, pid: int, paused: bool) -> float:
     """Ask the peer `pid` that holds `directory` to pause or resume; the request's stamp, which it echoes."""
     stamp = time.time()
-    write_private_json(directory / REQUEST_FILE, {"pid": pid, "paused": paused, "at": stamp})
+    replace_private_json(directory / REQUEST_FILE, {"pid": pid, "paused": paused, "at": stamp})
     return stamp
 
 
@@ -180,7 +169,7 @@ class PauseWatch(threading.Thread):
 def write_state(directory: Path, state: str, reasons: Dict[str, str], request_seen: Optional[float]) -> None:
     """What this peer does now, for `peer pause`/`peer resume` to read back; a failed write is only logged."""
     try:
-        write_private_json(directory / STATE_FILE, {"pid": os.getpid(), "state": state, "reasons": reasons,
+        replace_private_json(directory / STATE_FILE, {"pid": os.getpid(), "state": state, "reasons": reasons,
                                                     "request_seen": request_seen, "time": time.time()})
     except OSError as e:
         logger.debug(f"cannot write {directory / STATE_FILE}: {e}")

@@ -1,15 +1,13 @@
 """The summary a peer writes at exit (--summary-json)."""
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from pydantic import BaseModel, Field
 
 from averaging.api import OUTCOMES
+from dht.files import replace_private_json
 
 
 class PeerSummary(BaseModel):
@@ -69,11 +67,4 @@ class PeerSummary(BaseModel):
         """Write atomically, so a reader never sees half a file."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.model_dump(), f, indent=2)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        replace_private_json(path, self.model_dump(), indent=2)

@@ -38,12 +38,14 @@ def test_a_paused_strategy_counts_nothing_claims_no_rate_and_counts_again_once_r
         for _ in range(3):
             one_step(model, optimizer)
         tracker = optimizer.tracker
-        assert tracker.local_progress.samples_accumulated == 3 * BATCH and tracker.local_progress.samples_per_second > 1
+        none = tracker.performance_ema.eps  # the rate hivemind reports before any sample: "nothing"
+        assert tracker.local_progress.samples_accumulated == 3 * BATCH
+        assert tracker.local_progress.samples_per_second != none
 
         optimizer.pause()
         assert tracker.local_progress.samples_accumulated == 0 and optimizer.local_epoch == 0
-        assert tracker.local_progress.samples_per_second < 1e-9  # the others expect nothing of it
-        assert optimizer.swarm_view().samples_per_second < 1e-9
+        assert tracker.local_progress.samples_per_second == none  # the others expect nothing of it
+        assert optimizer.swarm_view().samples_per_second == none
         if strategy == "diloco":  # its inner steps went with the samples they counted: back at the round's start
             assert all(torch.equal(a, b.detach()) for a, b in zip(start, model.parameters()))
         if strategy == "sync":  # and what it had accumulated toward the epoch is gone
@@ -51,7 +53,7 @@ def test_a_paused_strategy_counts_nothing_claims_no_rate_and_counts_again_once_r
 
         optimizer.resume()
         one_step(model, optimizer)
-        assert tracker.local_progress.samples_accumulated == BATCH and tracker.local_progress.samples_per_second > 1
+        assert tracker.local_progress.samples_accumulated == BATCH and tracker.local_progress.samples_per_second != none
     finally:
         if optimizer is not None:
             optimizer.shutdown()
