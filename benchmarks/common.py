@@ -216,3 +216,19 @@ def kill_session(process: subprocess.Popen, wait_seconds: float = 10.0) -> None:
         process.wait(wait_seconds)
     except subprocess.TimeoutExpired:
         pass
+
+
+def stdlib_text_corpus(directory: Path, max_bytes: int) -> Path:
+    """Up to `max_bytes` of the standard library's sources, as .txt files in `directory`: local text for
+    --task hf-causal-lm that needs no download (the files bytelm reads, in its order)."""
+    from peer.tasks.bytelm import source_paths, stdlib_root
+
+    root, written = stdlib_root(), 0
+    directory.mkdir(parents=True, exist_ok=True)
+    for index, relative in enumerate(source_paths(root)):
+        if written >= max_bytes:
+            break
+        text = Path(root, relative).read_bytes()[: max_bytes - written].decode("utf-8", errors="replace")
+        (directory / f"{index:05d}.txt").write_text(text)
+        written += len(text.encode())
+    return directory

@@ -59,14 +59,16 @@ def real_gradients(task_name: str, train_steps: int, samples: int, seed: int = 0
     import torch
 
     from peer.tasks import load_task
-    from peer.tasks.data import endless, make_loader
+    from peer.tasks.data import make_loader
+    from peer.tasks.order import DataOrder
 
     task = load_task(task_name)
     torch.manual_seed(seed)
     model = task.build_model()
     optimizer = task.build_optimizer(model.parameters())
-    batches = endless(make_loader(task.build_train_dataset(), batch_size=task.batch_size, workers=0, seed=seed,
-                                  collate_fn=task.collate_fn))
+    train_set = task.build_train_dataset()
+    batches = iter(make_loader(train_set, batch_size=task.batch_size, workers=0,
+                                  order=DataOrder(len(train_set), seed), collate_fn=task.collate_fn))
     grads = []
     for step in range(train_steps + samples):
         loss = task.loss_fn(model, next(batches))

@@ -31,12 +31,16 @@ Usage (from the repository root)::
     python -m benchmarks.local_overhead --quick     # under 5 minutes on 2 CPU cores
     python -m benchmarks.local_overhead             # full: more rounds, longer windows
     python -m benchmarks.local_overhead --smoke     # bytelm-tiny, seconds; for tests
+    # a transformers model (the stdlib's sources as its text), results beside the default ones:
+    python -m benchmarks.local_overhead --quick --task hf-causal-lm --task-option model_config=llama-20m \
+        --output benchmarks/results/local_overhead-hf.json
 
 JSON (benchmarks/results/local_overhead.json), ``results``:
 
-- ``task``, ``batch_size``, ``data_workers``, ``rounds``, ``warmup_steps``, ``ways`` (what each way is);
+- ``task``, ``task_options`` (hf-causal-lm's, as given), ``batch_size``, ``data_workers``, ``rounds``,
+  ``warmup_steps``, ``ways`` (what each way is);
 - ``devices.<cpu|cuda-fp32|cuda-bf16>``: either ``{"skipped": true, "reason": ...}`` or
-  - ``task`` and ``precision`` (the GPU, its driver, CUDA and torch versions are in ``hardware``);
+  - ``task``, ``precision`` and ``batch_size`` (the GPU, its driver, CUDA and torch versions are in ``hardware``);
   - ``steps_per_window``;
   - ``samples_per_second.<way>``: ``{median, min, max, n}`` over rounds;
   - ``ratios.daemon_over_plain``, ``ratios.hivemind_over_plain``, ``ratios.daemon_over_hivemind``,
@@ -65,6 +69,8 @@ WAYS = ("plain", "daemon", "daemon_monitoring_off", "hivemind")
 DAEMON_GOAL, MONITORING_GOAL = 0.97, 0.02
 HUGE_TARGET = 10**9
 CUDA_TASK = "benchmarks.local_overhead:make_cuda_task"
+CORPUS_BYTES = 4 * 1024 * 1024
+"""Text hf-causal-lm reads when no data=... is given: as much as the bytelm task reads."""
 
 
 def make_cuda_task():
@@ -113,8 +119,8 @@ def window_rate(ends: List[float], warmup: int, batch_size: int) -> float:
 class Ways:
     """The four training loops of one device, built once and run window by window."""
 
-    def __init__(self, task_name: str, batch_size: Optional[int], workers: int, device_name: str, precision: str,
-                 tmp: Path):
+    def __init__(self, task_name: str, task_flags: Dict[str, str], batch_size: Optional[int], workers: int,
+                 device_name: str, precision: str, tmp: Path):
         import hivemind
         import torch
 
@@ -124,16 +130,17 @@ class Ways:
         from peer.runtime.precision import MixedPrecision
         from peer.runtime.trainer import seed_from_run_id
         from peer.tasks import load_task
-        from peer.tasks.data import endless, make_loader
+        from peer.tasks.data import make_loader
+        from peer.tasks.order import DataOrder
         from peer.telemetry.console import ProgressDisplay
         from peer.telemetry.reports import TrainingObserver
 
         self.torch, self.device = torch, torch.device(device_name)
-        self.task = load_task(task_name)
+        self.task = load_task(task_name, options=load_config(flags=dict(task=task_name, **task_flags)).task)
         self.batch_size = batch_size or self.task.batch_size
         run_id = f"bench-overhead-{device_name}-{precision}"
         self.config = load_config(flags=dict(
-            task=task_name, run_id=run_id, batch_size=self.batch_size, target_batch_size=HUGE_TARGET,
+            task=task_name, **task_flags, run_id=run_id, batch_size=self.batch_size, target_batch_size=HUGE_TARGET,
             device=device_name, precision=precision, data_workers=workers, checkpoint_dir=tmp / "ckpt",
             host_maddrs=["/ip4/127.0.0.1/tcp/0"], metrics_host="127.0.0.1", metrics_port=0,
         ))
@@ -145,8 +152,9 @@ class Ways:
         self.plain_opt = self.task.build_optimizer(self.plain_model.parameters())
         self.autocast = MixedPrecision(precision, self.device, ()).autocast
         pinned = self.device.type == "cuda"
-        self.plain_batches = endless(make_loader(
-            self.task.build_train_dataset(), batch_size=self.batch_size, workers=workers, seed=0,
+        train_set = self.task.build_train_dataset()
+        self.plain_batches = iter(make_loader(
+            train_set, batch_size=self.batch_size, workers=workers, order=DataOrder(len(train_set), 0),
             collate_fn=self.task.collate_fn, pin_memory=pinned))
 
         # daemon: assembled by the same builder as `peer start`, torn down by closing the stack
@@ -170,8 +178,8 @@ class Ways:
             verbose=False,
         )
         self._stack.callback(self.hm_opt.shutdown)
-        self.hm_batches = endless(make_loader(
-            self.task.build_train_dataset(), batch_size=self.batch_size, workers=workers, seed=0,
+        self.hm_batches = iter(make_loader(
+            train_set, batch_size=self.batch_size, workers=workers, order=DataOrder(len(train_set), 0),
             collate_fn=self.task.collate_fn, pin_memory=pinned))
 
     def close(self) -> None:
@@ -240,7 +248,8 @@ class Ways:
 
 def measure_device(run: common.Run, device: str, precision: str, task: str, args, settings: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="swarmtrain-bench-") as tmp:
-        ways = Ways(task, args.batch_size, settings["data_workers"], device, precision, Path(tmp))
+        ways = Ways(task, task_flags(task, settings, Path(tmp)), args.batch_size, settings["data_workers"], device,
+                    precision, Path(tmp))
         try:
             batch_size, warmup = ways.batch_size, settings["warmup_steps"]
             # calibrate: steps per window from the plain loop's speed
@@ -274,6 +283,7 @@ def measure_device(run: common.Run, device: str, precision: str, task: str, args
     return {
         "task": task,
         "precision": precision,
+        "batch_size": batch_size,
         "steps_per_window": steps,
         "samples_per_second": {way: common.stats(values, 2) for way, values in rates.items()},
         "ratios": ratios,
@@ -288,10 +298,34 @@ def measure_device(run: common.Run, device: str, precision: str, task: str, args
     }
 
 
+def task_flags(task: str, settings: dict, tmp: Path) -> Dict[str, str]:
+    """--task-option flags, for the task that takes them: hf-causal-lm, which reads the stdlib's sources as text
+    unless data=... names other files."""
+    if task != "hf-causal-lm":
+        return {}
+    flags = dict(settings["task_options"])
+    flags.setdefault("data", str(common.stdlib_text_corpus(tmp / "corpus", CORPUS_BYTES)))
+    return flags
+
+
+def parse_task_options(values: List[str]) -> Dict[str, str]:
+    options = {}
+    for value in values:
+        name, equals, setting = value.partition("=")
+        if not equals or not name:
+            raise SystemExit(f"--task-option {value!r}: give NAME=VALUE, e.g. model_config=llama-20m")
+        options[name.replace("-", "_")] = setting
+    return options
+
+
 def main(argv=None) -> int:
     p = common.parser(NAME, __doc__)
     p.add_argument("--task", default=None, help="task to train on the CPU (default: bytelm; smoke: bytelm-tiny)")
     p.add_argument("--cuda-task", default=CUDA_TASK, help=f"task to train on CUDA (default: {CUDA_TASK})")
+    p.add_argument("--task-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an option of --task hf-causal-lm, as peer start takes it (model_config=llama-20m, "
+                        "seq_len=128, data=PATH; default data: the stdlib's sources as text); repeat for more")
+    p.add_argument("--skip-cpu", action="store_true", help="measure the CUDA rows alone (a GPU machine's time)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per step (default: the task's)")
     p.add_argument("--data-workers", type=int, default=None, help="DataLoader workers (default: the daemon's, 2)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (each runs every way once)")
@@ -308,6 +342,7 @@ def main(argv=None) -> int:
         "window_seconds": args.window_seconds or common.by_mode(mode, smoke=1.0, quick=5.0, full=15.0),
         "min_steps": common.by_mode(mode, smoke=6, quick=10, full=30),
         "warmup_steps": common.by_mode(mode, smoke=2, quick=3, full=5),
+        "task_options": parse_task_options(args.task_option),
     }
     import torch
 
@@ -317,7 +352,8 @@ def main(argv=None) -> int:
     settings["torch_threads"] = torch.get_num_threads()
     run = common.Run(NAME, mode, args.output)
 
-    devices: Dict[str, dict] = {"cpu": measure_device(run, "cpu", "fp32", settings["task"], args, settings)}
+    devices: Dict[str, dict] = {"cpu": {"skipped": True, "reason": "--skip-cpu"} if args.skip_cpu else
+                                measure_device(run, "cpu", "fp32", settings["task"], args, settings)}
     for precision in ("fp32", "bf16"):
         if torch.cuda.is_available():
             devices[f"cuda-{precision}"] = measure_device(run, "cuda", precision, args.cuda_task, args, settings)
@@ -325,9 +361,9 @@ def main(argv=None) -> int:
             devices[f"cuda-{precision}"] = {"skipped": True, "reason": "no CUDA device on this machine"}
     if not torch.cuda.is_available():
         run.note("CUDA rows skipped: no CUDA device on this machine")
-    from peer.tasks import load_task
 
-    batch_size = args.batch_size or load_task(settings["task"]).batch_size
+    measured = [row for row in devices.values() if not row.get("skipped")]
+    batch_size = args.batch_size or (measured[0]["batch_size"] if measured else None)
     results = {
         **{k: v for k, v in settings.items() if k != "min_steps"},
         "batch_size": batch_size,
@@ -352,13 +388,14 @@ def main(argv=None) -> int:
         if not row["goals"]["monitoring_meets"]:
             run.note(f"{device}: monitoring costs {row['monitoring_overhead']:.1%} of the step rate, over the "
                      f"{MONITORING_GOAL:.0%} goal")
-    cpu = devices["cpu"]
-    line = (f"{NAME} (cpu, {settings['task']}, batch {batch_size}): "
-            f"daemon/plain {common.fmt_ratio(cpu['ratios']['daemon_over_plain']['median'])}, "
-            f"hivemind/plain {common.fmt_ratio(cpu['ratios']['hivemind_over_plain']['median'])}, "
-            f"monitoring on/off {common.fmt_ratio(cpu['ratios']['monitoring_on_over_off']['median'])} "
-            f"(goals: daemon >= {DAEMON_GOAL}, monitoring overhead <= {MONITORING_GOAL:.0%}); "
-            f"cuda: {'skipped' if devices['cuda-fp32'].get('skipped') else 'see JSON'}")
+    line = f"{NAME}: " + "; ".join(
+        f"{device} skipped" if row.get("skipped") else
+        f"{device} ({row['task']}, batch {row['batch_size']}): "
+        f"daemon/plain {common.fmt_ratio(row['ratios']['daemon_over_plain']['median'])}, "
+        f"hivemind/plain {common.fmt_ratio(row['ratios']['hivemind_over_plain']['median'])}, "
+        f"monitoring on/off {common.fmt_ratio(row['ratios']['monitoring_on_over_off']['median'])}"
+        for device, row in devices.items()) + (
+        f" (goals: daemon >= {DAEMON_GOAL}, monitoring overhead <= {MONITORING_GOAL:.0%})")
     run.finish(results, line)
     return 0
 

@@ -40,7 +40,8 @@ Usage (from the repository root)::
 JSON ``results``: ``task``, ``target_val_loss``, ``target_batch_size``, ``cores``, ``cores_per_peer``, ``peer_args``,
 ``pinning`` (``taskset`` or a reason it is off), ``repeats``; ``scaling``: one row per (peers, repeat)
 with ``reached``, ``time_to_target_seconds``, ``startup_seconds``, ``epoch``, ``samples``,
-``val_loss``, ``cpu_sets``, ``oversubscribed``, ``exit_codes``; ``speedup_vs_1``: peers -> median speedup;
+``val_loss``, ``cpu_sets``, ``oversubscribed``, ``exit_codes``, ``curve`` ([seconds since ready, epoch, val_loss] per
+validated epoch, the lowest any peer saw); ``speedup_vs_1``: peers -> median speedup;
 ``hiding``: ``{skipped, reason}`` or ``runs.<alone|delay_updates|blocking>`` (``peers``, ``flags``,
 ``local_samples_per_second`` per peer, ``averaging_rounds``), ``hiding_ratio``, ``blocking_ratio``.
 """
@@ -88,6 +89,16 @@ def epochs(peer: Peer) -> List[EpochEnded]:
     return [event for event in peer.events if isinstance(event, EpochEnded)]
 
 
+def loss_curve(peers: Sequence[Peer], ready: float) -> List[List[float]]:
+    """[seconds since the last peer was ready, epoch, val_loss] of every validated epoch, the lowest loss any peer
+    saw at that epoch: another target's time is read off it afterwards."""
+    best: Dict[int, EpochEnded] = {}
+    for epoch in (epoch for peer in peers for epoch in epochs(peer) if epoch.val_loss is not None):
+        if epoch.epoch not in best or epoch.val_loss < best[epoch.epoch].val_loss:
+            best[epoch.epoch] = epoch
+    return [[round(epoch.time - ready, 2), number, round(epoch.val_loss, 4)] for number, epoch in sorted(best.items())]
+
+
 def cpu_plan(peers: int, cores: List[int], share: int, pinning: bool) -> (List[Optional[List[int]]], bool):
     """CPU set of each peer: disjoint sets of `share` cores while they last, then round-robin."""
     sets = [cores[i * share:(i + 1) * share] for i in range(max(1, len(cores) // share))]
@@ -130,6 +141,7 @@ async def scaling_run(run: common.Run, peers: int, repeat: int, settings: dict, 
                 if any(peer.process.poll() is not None for peer in started):
                     break
                 await asyncio.sleep(0.2)
+            row["curve"] = loss_curve(started, ready)
             if hit:
                 row.update(reached=True, time_to_target_seconds=round(hit.time - ready, 2), epoch=hit.epoch,
                            samples=hit.epoch * settings["target_batch_size"], val_loss=hit.val_loss)

@@ -27,6 +27,7 @@ from dht.config import DHTConfig
 from dht.files import InputFileError, read_input_text
 from monitoring.config import MonitoringConfig
 from peer.active_hours import parse_active_hours
+from peer.task_options import HF_CAUSAL_LM, TaskConfig, options_not_taken
 
 ENV_PREFIX = "PEER_"
 
@@ -65,8 +66,10 @@ class TrainingConfig(BaseModel):
     max_epochs: Optional[int] = Field(default=None, ge=1, description="Exit 0 once this global epoch is reached.")
     max_seconds: Optional[float] = Field(default=None, gt=0, description="Exit 0 after training this long.")
     data_workers: int = Field(default=2, ge=0, description="DataLoader worker processes for preprocessing.")
-    seed: int = Field(default=0, ge=0, le=2**32 - 1,
-                      description="Seed for this peer's data order (model init is seeded by run id).")
+    seed: Optional[int] = Field(
+        default=None, ge=0, le=2**32 - 1,
+        description="Seed for this peer's data order (model init is seeded by run id). Default: the peer's own, from "
+                    "its peer ID, kept in its checkpoints, which also keep how far it has read: a restart reads on.")
     val_batches: int = Field(default=8, ge=1, description="Validation batches evaluated at each global epoch.")
 
     @field_validator("device")
@@ -158,6 +161,7 @@ class PeerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     training: TrainingConfig = TrainingConfig()
+    task: TaskConfig = TaskConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     dht: DHTConfig = DHTConfig()
@@ -173,6 +177,12 @@ class PeerConfig(BaseModel):
                 f"--batch-size ({batch}) is larger than --target-batch-size ({target}); "
                 f"raise --target-batch-size or lower --batch-size"
             )
+        stray = options_not_taken(self.training.task, self.task)
+        if stray:
+            raise ValueError(stray)
+        if self.training.task == HF_CAUSAL_LM and self.task.data is None:
+            raise ValueError(f"--task {HF_CAUSAL_LM} needs --data: a local file, directory or glob of text, JSON "
+                             f"lines or Parquet files to train on")
         if self.dht.client_mode and not self.dht.initial_peers:
             raise ValueError(
                 "--client-mode needs --initial-peers: a client-mode peer accepts no connections, "

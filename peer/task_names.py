@@ -11,7 +11,9 @@ import os
 import sys
 from typing import Optional
 
-BUILTIN_TASK_NAMES = ("bytelm", "bytelm-tiny")  # peer/tasks/registry.py builds them
+from peer.task_options import HF_CAUSAL_LM
+
+BUILTIN_TASK_NAMES = ("bytelm", "bytelm-tiny", HF_CAUSAL_LM)  # peer/tasks/registry.py builds them
 
 
 class TaskLoadError(ValueError):

@@ -251,3 +251,47 @@ def make_failing_task() -> Task:
     if stage == "scheduler":
         return dataclasses.replace(base, build_scheduler=failing_scheduler)
     return dataclasses.replace(base, loss_fn=failing_loss)
+
+
+class TiedLM(nn.Module):
+    """Embedding and output layer share one weight (as a Llama with tie_word_embeddings), with buffers beside."""
+
+    def __init__(self, vocab: int = 13, width: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(tokens)))
+
+
+def make_tied_task() -> Task:
+    """A small model with tied weights and buffers, for `peer export` and checkpoint tests (it is not trained)."""
+    return _task("tied", TiedLM, SyntheticDataset(64), batch_size=8)
+
+
+def write_weights_as_text(model: nn.Module, directory) -> None:
+    """A task's own export: one line per tensor, name and sum (what make_self_exporting_task writes)."""
+    with open(os.path.join(directory, "weights.txt"), "w") as file:
+        for name, tensor in model.state_dict().items():
+            file.write(f"{name} {float(tensor.double().sum())!r}\n")
+
+
+def make_self_exporting_task() -> Task:
+    """make_tied_task with its own export_model: `peer export` must call it instead of writing safetensors."""
+    import dataclasses
+
+    return dataclasses.replace(make_tied_task(), name="self-exporting", export_model=write_weights_as_text)
+
+
+def make_failing_export_task() -> Task:
+    """make_tied_task whose export_model writes a file, then raises: the export must leave nothing behind."""
+    import dataclasses
+
+    def fail(model: nn.Module, directory) -> None:
+        write_weights_as_text(model, directory)
+        raise StageFailure("failing in export_model")
+
+    return dataclasses.replace(make_tied_task(), name="failing-export", export_model=fail)

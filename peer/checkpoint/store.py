@@ -1,40 +1,31 @@
-"""Local checkpoints that survive crashes, full disks and bit rot.
+"""Local checkpoints that survive crashes, full disks and bit rot, with weights other tools read.
 
-A checkpoint is written to a temporary file in the target directory, flushed and
-fsynced, renamed into place with os.replace, and only then is the directory fsynced and
-old checkpoints pruned. A crash at any point therefore leaves every earlier checkpoint
-intact. Each file carries its own length and sha256, so a truncated or corrupted file
-is detected on load, logged, and skipped in favour of the next older one. A write that fails
-(a full or read-only disk) removes its temp file and raises CheckpointError; save() creates a
-directory deleted under it again, so the next save can succeed.
+A checkpoint is a directory ``checkpoint-<sequence>-epoch<global epoch>/`` holding the model's weights as
+safetensors, the rest of the state beside them and an index with each part's length and sha256
+(peer/checkpoint/parts.py documents the layout). It is built in a temporary directory beside its final
+name, every part flushed and fsynced, the temporary directory fsynced, renamed into place with
+os.replace, and only then is the checkpoint directory fsynced and old checkpoints pruned. A crash at any
+point therefore leaves every earlier checkpoint intact. A truncated, corrupted or missing part is detected
+on load, logged, and the checkpoint skipped in favour of the next older one. A write that fails (a full
+or read-only disk) removes its temporary directory and raises CheckpointError; save() creates a directory
+deleted under it again, so the next save can succeed.
 
-File layout (all integers little-endian):
+A checkpoint of the format before this one, a single framed file ``checkpoint-<sequence>-epoch<epoch>.pt``
+(peer/checkpoint/framed.py), still loads, and the two formats are ordered and pruned as one sequence. The
+sequence number only grows, and recency is decided by it, never by modification times.
 
-    offset  size  field
-    0       8     magic b"SWRMCKPT"
-    8       4     format version (uint32, currently 1)
-    12      8     payload length in bytes (uint64)
-    20      32    sha256 of the payload
-    52      n     payload: torch.save() of the state dict
-
-Names are ``checkpoint-<sequence>-epoch<global epoch>.pt``; the sequence number only
-grows, and recency is decided by it, never by modification times.
-
-This module must not decide when to checkpoint, what goes into a checkpoint, or move
-tensors between devices: that is the training loop's job. One store writes to a
-directory at a time: a new store deletes temp files it finds there, including those of
-a writer that is still running (a peer locks its directory: peer/checkpoint/lock.py).
+This module must not decide when to checkpoint, what goes into a checkpoint, or move tensors between
+devices: that is the training loop's job. One store writes to a directory at a time: a new store deletes
+temporary files it finds there, including those of a writer that is still running (a peer locks its
+directory: peer/checkpoint/lock.py). read_newest() only reads, so it may run beside a peer (`peer export`).
 """
 from __future__ import annotations
 
-import errno
 import hashlib
-import io
 import logging
 import os
 import re
 import secrets
-import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,44 +33,70 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from peer.checkpoint import framed
+from peer.checkpoint.files import (
+    CheckpointError,
+    Damaged,
+    describe,
+    fsync_directory,
+    remove_quietly,
+)
+from peer.checkpoint.parts import read_parts, write_parts
+
 logger = logging.getLogger(__name__)
 
-MAGIC = b"SWRMCKPT"
-FORMAT_VERSION = 1
-_HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, sha256
-HEADER_SIZE_BYTES = _HEADER.size
+HEADER_SIZE_BYTES = framed.HEADER_SIZE_BYTES
 
-_NAME_RE = re.compile(r"^checkpoint-(\d{6,})-epoch(\d{6,})\.pt$")
+_NAME_RE = re.compile(r"^checkpoint-(\d{6,})-epoch(\d{6,})(\.pt)?$")  # with .pt: a single framed file
 _TEMP_PREFIX = ".checkpoint-"
 _TEMP_SUFFIX = ".tmp"
+_RESCANS = 3  # a peer pruning the checkpoint a reader was reading: read its newer ones instead
 
-
-class CheckpointError(RuntimeError):
-    """The store could not write: the message names the path and the cause."""
+__all__ = ["CheckpointError", "CheckpointStore", "DamagedCheckpoint", "LoadedCheckpoint", "read_newest"]
 
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     path: Path
-    """The checkpoint file the state was read from."""
+    """The checkpoint the state was read from: a directory, or a file of the earlier format."""
     state: dict
     """Exactly what was passed to save(), with every tensor on the CPU."""
+    global_epoch: Optional[int] = None
+    """The global epoch in its name."""
+    sha256: Optional[str] = None
+    """The digest that pins its contents: of its index (which holds every part's), or of the whole earlier-format
+    file."""
 
 
-def _first_non_finite(value, where: str = "state") -> Optional[str]:
-    """Where the first floating-point tensor holding NaN or Inf sits in a nested state, or None."""
-    if isinstance(value, torch.Tensor):
-        return where if value.is_floating_point() and not bool(torch.isfinite(value).all()) else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
-    for key, item in items:
-        found = _first_non_finite(item, f"{where}[{key!r}]")
-        if found is not None:
-            return found
-    return None
+@dataclass(frozen=True)
+class DamagedCheckpoint:
+    path: Path
+    reason: str
 
 
-class _Corrupt(Exception):
-    """A checkpoint file failed verification; the message is the reason."""
+def read_newest(directory: Path) -> Tuple[Optional[LoadedCheckpoint], List[DamagedCheckpoint]]:
+    """The newest checkpoint in `directory` that reads back and verifies (None if none does), and the newer ones
+    skipped as damaged. It only reads: no lock, no cleanup, no directory created.
+
+    :raises OSError: the directory cannot be listed
+    """
+    damaged: List[DamagedCheckpoint] = []
+    for _ in range(_RESCANS):
+        vanished = False
+        damaged = []
+        for (_, epoch), path in reversed(_scan(directory)):
+            try:
+                state, digest = _read(path)
+            except Damaged as exc:
+                if not os.path.lexists(path):  # pruned by the peer writing there, while it was read
+                    vanished = True
+                    continue
+                damaged.append(DamagedCheckpoint(path, str(exc)))
+                continue
+            return LoadedCheckpoint(path=path, state=state, global_epoch=epoch, sha256=digest), damaged
+        if not vanished:
+            break
+    return None, damaged
 
 
 class CheckpointStore:
@@ -94,15 +111,15 @@ class CheckpointStore:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {_describe(exc)}") from exc
+            raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {describe(exc)}") from exc
         self._remove_stale_temp_files()
 
     def list(self) -> List[Path]:
         """Complete checkpoints (by name; contents are verified only on load), oldest first."""
-        return [path for _, path in self._scan()]
+        return [path for _, path in _scan(self.directory)]
 
     def save(self, state: dict, global_epoch: int) -> Path:
-        """Writes `state` durably as the newest checkpoint and returns its path.
+        """Writes `state` durably as the newest checkpoint and returns its path (a directory).
 
         Raises CheckpointError if it cannot be written; earlier checkpoints are then untouched.
         """
@@ -117,40 +134,23 @@ class CheckpointStore:
         with self._lock:
             existing = self._scan_for_save()
             sequence = existing[-1][0][0] + 1 if existing else 1
-            final_path = self.directory / f"checkpoint-{sequence:06d}-epoch{global_epoch:06d}.pt"
-            payload = _serialize(state, final_path)
-            header = _HEADER.pack(MAGIC, FORMAT_VERSION, len(payload), hashlib.sha256(payload).digest())
-            self._write_atomically(final_path, header, payload)
+            final_path = self.directory / f"checkpoint-{sequence:06d}-epoch{global_epoch:06d}"
+            size = self._write_atomically(final_path, state, global_epoch)
             self._prune()
-        logger.info("saved checkpoint %s (%d bytes)", final_path, HEADER_SIZE_BYTES + len(payload))
+        logger.info("saved checkpoint %s (%d bytes)", final_path, size)
         return final_path
 
     def load_latest(self) -> Optional[LoadedCheckpoint]:
         """The newest checkpoint that reads back and verifies, or None if there is none.
 
-        Damaged files are skipped with a warning and left in place for inspection.
+        Damaged checkpoints are skipped with a warning and left in place for inspection.
         """
-        for _, path in reversed(self._scan()):
-            try:
-                state = _read_verified(path)
-            except _Corrupt as exc:
-                logger.warning("skipping checkpoint %s: %s", path, exc)
-                continue
-            logger.info("loaded checkpoint %s", path)
-            return LoadedCheckpoint(path=path, state=state)
-        return None
-
-    def _scan(self) -> List[Tuple[Tuple[int, int], Path]]:
-        """((sequence, epoch), path) of complete checkpoints, oldest first; other files are ignored."""
-        found = []
-        with os.scandir(self.directory) as entries:
-            for entry in entries:
-                match = _NAME_RE.match(entry.name)
-                if match and entry.is_file():
-                    found.append(((int(match.group(1)), int(match.group(2))), Path(entry.path)))
-        # Numeric sort, so that sequence 1000000 still sorts after 999999.
-        found.sort(key=lambda item: item[0])
-        return found
+        loaded, damaged = read_newest(self.directory)
+        for skipped in damaged:
+            logger.warning("skipping checkpoint %s: %s", skipped.path, skipped.reason)
+        if loaded is not None:
+            logger.info("loaded checkpoint %s", loaded.path)
+        return loaded
 
     def _scan_for_save(self) -> List[Tuple[Tuple[int, int], Path]]:
         # A directory deleted under a running peer is recreated: the peer keeps checkpointing.
@@ -158,132 +158,94 @@ class CheckpointStore:
             if not self.directory.is_dir():
                 logger.warning("checkpoint directory %s is gone; creating it again", self.directory)
                 self.directory.mkdir(parents=True, exist_ok=True)
-            return self._scan()
+            return _scan(self.directory)
         except OSError as exc:
-            raise CheckpointError(f"cannot use checkpoint directory {self.directory}: {_describe(exc)}") from exc
+            raise CheckpointError(f"cannot use checkpoint directory {self.directory}: {describe(exc)}") from exc
 
-    def _write_atomically(self, final_path: Path, header: bytes, payload: memoryview) -> None:
-        # The random token keeps two attempts from ever sharing a temp file.
+    def _write_atomically(self, final_path: Path, state: dict, global_epoch: int) -> int:
+        # The random token keeps two attempts from ever sharing a temporary directory.
         temp_path = self.directory / f"{_TEMP_PREFIX}{final_path.name}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
         try:
-            fd = os.open(temp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with open(fd, "wb") as file:
-                file.write(header)
-                file.write(payload)
-                file.flush()
-                os.fsync(file.fileno())  # data must be on disk before the rename makes it visible
+            os.mkdir(temp_path, 0o755)
+            size = write_parts(temp_path, state, global_epoch, final_path.name)
+            fsync_directory(temp_path)  # the parts' names must be on disk before the rename publishes them
             os.replace(temp_path, final_path)
         except OSError as exc:
-            _remove_quietly(temp_path)
-            raise CheckpointError(f"cannot write checkpoint {final_path}: {_describe(exc)}") from exc
+            remove_quietly(temp_path)
+            raise CheckpointError(f"cannot write checkpoint {final_path}: {describe(exc)}") from exc
+        except BaseException:  # a state that cannot be serialized, or an interrupt: leave no temporary directory
+            remove_quietly(temp_path)
+            raise
         try:
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
         except OSError as exc:
-            # The file is in place but its name may not survive a power loss, so report the
+            # The checkpoint is in place but its name may not survive a power loss, so report the
             # failure and skip pruning: older checkpoints stay as the fallback.
             raise CheckpointError(
-                f"wrote checkpoint {final_path} but cannot fsync its directory: {_describe(exc)}"
+                f"wrote checkpoint {final_path} but cannot fsync its directory: {describe(exc)}"
             ) from exc
+        return size
 
     def _prune(self) -> None:
         try:
-            complete = self._scan()
+            complete = _scan(self.directory)
         except OSError as exc:  # the new checkpoint is written; pruning can wait for the next one
-            logger.warning("cannot list %s to remove old checkpoints: %s", self.directory, _describe(exc))
+            logger.warning("cannot list %s to remove old checkpoints: %s", self.directory, describe(exc))
             return
         for _, path in complete[: -self.keep]:
+            # Renamed out of the sequence first: a crash halfway through deleting a directory then leaves a
+            # temporary name the next store removes, never a checkpoint with parts missing.
+            doomed = path.with_name(f"{_TEMP_PREFIX}{path.name}.{secrets.token_hex(4)}{_TEMP_SUFFIX}")
             try:
-                path.unlink()
+                os.rename(path, doomed)
             except FileNotFoundError:
-                pass
+                continue
             except OSError as exc:
                 # The new checkpoint is safe; a leftover old one only costs disk space.
-                logger.warning("cannot remove old checkpoint %s: %s", path, _describe(exc))
+                logger.warning("cannot remove old checkpoint %s: %s", path, describe(exc))
+                continue
+            remove_quietly(doomed)
 
     def _remove_stale_temp_files(self) -> None:
         with os.scandir(self.directory) as entries:
             stale = [Path(e.path) for e in entries if e.name.startswith(_TEMP_PREFIX) and e.name.endswith(_TEMP_SUFFIX)]
         for path in stale:
-            logger.warning("removing temp file %s left by an interrupted checkpoint write", path)
-            _remove_quietly(path)
+            logger.warning("removing %s left by an interrupted checkpoint write", path)
+            remove_quietly(path)
 
 
-def _serialize(state: dict, final_path: Path) -> memoryview:
-    buffer = io.BytesIO()
+def _scan(directory: Path) -> List[Tuple[Tuple[int, int], Path]]:
+    """((sequence, epoch), path) of complete checkpoints of both formats, oldest first; other entries are ignored."""
+    found = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            match = _NAME_RE.match(entry.name)
+            # a directory of the current format, or a file of the earlier one: never the other way round
+            if match and (entry.is_file() if match.group(3) else entry.is_dir()):
+                found.append(((int(match.group(1)), int(match.group(2))), Path(entry.path)))
+    # Numeric sort, so that sequence 1000000 still sorts after 999999.
+    found.sort(key=lambda item: item[0])
+    return found
+
+
+def _read(path: Path) -> Tuple[dict, str]:
+    """(the state, its pinning sha256) of a checkpoint of either format. :raises Damaged:"""
+    if path.suffix != ".pt":
+        return read_parts(path)
     try:
-        torch.save(state, buffer)
-    except Exception as exc:
-        raise CheckpointError(f"cannot serialize checkpoint {final_path}: {_describe(exc)}") from exc
-    # Refuse now what load_latest() would refuse later: a checkpoint that cannot be loaded
-    # with weights_only=True is lost. Loading onto the meta device reads no tensor data.
-    buffer.seek(0)
-    try:
-        torch.load(buffer, weights_only=True, map_location="meta")
-    except Exception as exc:
-        raise CheckpointError(
-            f"cannot save checkpoint {final_path}: state holds a type that weights_only loading rejects: "
-            f"{_first_line(exc)}"
-        ) from exc
-    return buffer.getbuffer()
-
-
-def _read_verified(path: Path) -> dict:
-    try:
-        with open(path, "rb") as file:
-            header = file.read(HEADER_SIZE_BYTES)
-            if len(header) < HEADER_SIZE_BYTES:
-                raise _Corrupt(f"file is {len(header)} bytes, shorter than the {HEADER_SIZE_BYTES}-byte header")
-            magic, version, length, digest = _HEADER.unpack(header)
-            if magic != MAGIC:
-                raise _Corrupt(f"bad magic {magic!r} (expected {MAGIC!r}); not a checkpoint or damaged header")
-            if version != FORMAT_VERSION:
-                raise _Corrupt(f"unsupported format version {version} (this build reads {FORMAT_VERSION})")
-            payload = file.read(length)
-            trailing = len(file.read(1))
+        data = path.read_bytes()
     except OSError as exc:
-        raise _Corrupt(f"cannot read: {_describe(exc)}") from exc
-    if len(payload) < length:
-        raise _Corrupt(f"truncated: payload is {len(payload)} bytes, header says {length}")
-    if trailing:
-        raise _Corrupt(f"file is longer than the {length}-byte payload its header declares")
-    if hashlib.sha256(payload).digest() != digest:
-        raise _Corrupt("sha256 of the payload does not match the header (corrupted)")
-    try:
-        state = torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
-    except Exception as exc:
-        raise _Corrupt(f"verified but torch.load failed: {_first_line(exc)}") from exc
-    if not isinstance(state, dict):
-        raise _Corrupt(f"payload is a {type(state).__name__}, not a dict")
-    return state
+        raise Damaged(f"cannot read: {describe(exc)}") from exc
+    return framed.unframe(data), hashlib.sha256(data).hexdigest()
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        # Some filesystems cannot fsync a directory at all; there is nothing more to do there.
-        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _remove_quietly(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        logger.warning("cannot remove temp file %s: %s", path, _describe(exc))
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"{exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})"
-    return _first_line(exc)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+def _first_non_finite(value, where: str = "state") -> Optional[str]:
+    """Where the first floating-point tensor holding NaN or Inf sits in a nested state, or None."""
+    if isinstance(value, torch.Tensor):
+        return where if value.is_floating_point() and not bool(torch.isfinite(value).all()) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        found = _first_non_finite(item, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None

@@ -12,6 +12,7 @@ import click
 from click.core import ParameterSource
 
 from peer.cli.bootstrap import bootstrap
+from peer.cli.export import export
 from peer.cli.monitor import monitor
 from peer.cli.options import SectionedCommand, config_options_for, resolve_config
 from peer.cli.pause import pause, resume
@@ -130,5 +131,5 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 # commands that live in their own modules
-for command in (bootstrap, status, monitor, pause, resume):
+for command in (bootstrap, status, monitor, pause, resume, export):
     cli.add_command(command)

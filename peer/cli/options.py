@@ -25,7 +25,7 @@ FULL_HELP = "swarmtrain.full_help"  # set in the click context's meta by --help-
 
 # (title, which options): an option goes under the first title that takes it; shown in this order
 HELP_SECTIONS: Tuple[Tuple[str, Callable[[Option], bool]], ...] = (
-    ("Run and task", lambda option: option.section == "training"),
+    ("Run and task", lambda option: option.section in ("training", "task")),
     ("Network", lambda option: option.section == "dht"),
     ("Compression", lambda option: option.section == "averaging"
      and ("compression" in option.name
@@ -46,7 +46,7 @@ TUNING = frozenset({
     "exclude_after", "exclude_window", "exclusion_seconds", "harmful_update_rise", "harmful_updates",
     "harmful_update_window", "straggler_grace_min_seconds",
     "keep_checkpoints", "health_window_seconds", "log_format", "yield_cpu_share", "yield_gpu_share",
-    "yield_after_seconds", "resume_after_quiet_seconds",
+    "yield_after_seconds", "resume_after_quiet_seconds", "tokenizer", "seq_len", "init_from",
 })
 """Flags that most runs never change: listed by --help-all only, so that --help fits a reader."""
 SHOWN_ORDER = ("Run and task", "Network", "Averaging", "Compression", "Untrusted peers", "Checkpoints",

@@ -12,7 +12,7 @@ import sys
 import threading
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from averaging.registry import DEFAULT_STRATEGY
 from dht.node import DHTStartCancelled, DHTStartError, visible_maddrs
@@ -26,6 +26,7 @@ from peer.runtime.builder import PeerBuilder
 from peer.runtime.device import describe_device, resolve_device, resolve_precision
 from peer.runtime.manifest import ManifestUnreadable
 from peer.runtime.trainer import Trainer, TrainingDiverged
+from peer.task_options import BUILTIN_MODEL_CONFIGS, HF_CAUSAL_LM
 from peer.tasks import load_task
 from peer.telemetry.events import EventLog, Exited, Ready
 from peer.telemetry.logs import setup_logging
@@ -87,7 +88,7 @@ def run_peer(config: PeerConfig, faults: Optional[FaultPlan] = None) -> int:
 def _run(config: PeerConfig, stop: StopRequest, builder: PeerBuilder, run: PeerRun) -> tuple:
     try:
         # the paths, addresses and --task name were checked before torch was imported (peer/cli/preflight.py)
-        task = load_task(config.training.task, config.training.task_timeout_seconds)
+        task = load_task(config.training.task, config.training.task_timeout_seconds, options=config.task)
         device = resolve_device(config.training.device)
         precision = resolve_precision(config.training.precision, device)
     except (RuntimeError, ValueError) as e:  # TaskLoadError is a ValueError
@@ -171,6 +172,7 @@ def join_hint(config: PeerConfig, maddrs: List[str], owned_run: Optional[str]) -
     )
     if config.averaging.strategy != DEFAULT_STRATEGY:  # settings every peer of the run must share
         command += f" --averaging {config.averaging.strategy}"
+    command += "".join(f" {flag} {value}" for flag, value in task_options_hint(config))
     if config.dht.swarm_key is not None:
         command += " --swarm-key <a copy of this swarm's key file>"
     if "/ip4/127." in maddrs[0] or "/ip6/::1/" in maddrs[0]:  # visible_maddrs puts loopback last: all are
@@ -178,6 +180,24 @@ def join_hint(config: PeerConfig, maddrs: List[str], owned_run: Optional[str]) -
                 f"(it listens on the loopback only; to let other machines join, start it with --host-maddrs "
                 f"/ip4/0.0.0.0/tcp/31337)")
     return f"To join this swarm from another machine, run:\n  {command} --initial-peers {maddrs[0]}"
+
+
+def task_options_hint(config: PeerConfig) -> List[Tuple[str, str]]:
+    """The task options of the join command: a built-in size by its name, a file this machine holds as a
+    placeholder for a copy of it, and the joiner's own data."""
+    options = config.task
+    if config.training.task != HF_CAUSAL_LM:
+        return []
+    model = options.model if options.model is not None or options.init_from is None else \
+        str(options.init_from / "config.json")  # the run's model is the --init-from directory's
+    hint = []
+    if model is not None:
+        hint.append(("--model-config", model if model in BUILTIN_MODEL_CONFIGS else f"<a copy of {model}>"))
+    if options.tokenizer is not None:
+        hint.append(("--tokenizer", f"<a copy of {options.tokenizer}>"))
+    if options.seq_len is not None:
+        hint.append(("--seq-len", str(options.seq_len)))
+    return [*hint, ("--data", "<your own text files>")]
 
 
 def finish(config: PeerConfig, run: PeerRun, stack: ExitStack) -> None:

@@ -77,7 +77,8 @@ def peer_args(config: PeerConfig, base_args: List[str], index: int, summary_dir:
     port = config.monitoring.metrics_port
     args += ["--metrics-port", str(port + index if isinstance(port, int) and port else port)]
     args += ["--checkpoint-dir", str(config.checkpoint.checkpoint_dir / f"peer-{index}")]
-    args += ["--seed", str(config.training.seed + index)]  # each peer sees its own data order
+    if config.training.seed is not None:  # each peer reads in its own order: the one given, then the next ones
+        args += ["--seed", str(config.training.seed + index)]
     if config.dht.identity is not None:  # one key per peer: two peers with one identity would clash
         args += ["--identity", f"{config.dht.identity}.peer-{index}"]
     if "--host-maddrs" not in base_args:

@@ -354,10 +354,11 @@ def _alive(process: psutil.Process) -> bool:
 
 
 def load_model_state(checkpoint_dir: Path) -> Dict[str, torch.Tensor]:
-    """The model tensors of the newest checkpoint in a checkpoint directory (FileNotFoundError if none)."""
-    from peer.checkpoint.store import CheckpointStore
+    """The model tensors of the newest checkpoint in a checkpoint directory (FileNotFoundError if none). It only
+    reads, so it may run beside the peer that writes there."""
+    from peer.checkpoint.store import read_newest
 
-    loaded = CheckpointStore(Path(checkpoint_dir)).load_latest()
+    loaded, _ = read_newest(Path(checkpoint_dir))
     if loaded is None:
         raise FileNotFoundError(f"no checkpoint in {checkpoint_dir}")
     return loaded.state["model"]

@@ -63,6 +63,7 @@ from peer.runtime.trainer import Trainer, seed_from_run_id
 from peer.tasks import Task
 from peer.tasks.contract import TaskContractError, call_task, check_task
 from peer.tasks.data import make_loader
+from peer.tasks.order import DataOrder, resume_position, seed_for_peer
 from peer.tasks.registry import run_within
 from peer.telemetry.console import ProgressDisplay
 from peer.telemetry.events import EventLog
@@ -199,7 +200,7 @@ class PeerBuilder:
             raise BadInput(str(e)) from e
         checkpoint = restore_model(store, config, task.name, model)
         # before the optimizer: a mismatched peer must never count toward the swarm
-        self._join_run(dht, task.name, model)
+        self._join_run(dht, task, model)
         payload_bytes = round_payload_bytes(config.averaging, list(model.parameters()),
                                             opt_statistics=len(config.averaging.average_opt_statistics))
         credit = CreditLedger(lambda: monitoring.timer.category_totals().get("compute", 0.0),
@@ -217,16 +218,22 @@ class PeerBuilder:
         mixed_precision = MixedPrecision(precision, device, model.parameters())
         restore_optimizer(checkpoint, optimizer, summary, mixed_precision)
         training, pinned = config.training, device.type == "cuda"
+        position = resume_position(checkpoint.state.get("data") if checkpoint is not None else None, training.seed,
+                                   seed_for_peer(training.run_id, str(dht.peer_id)))
+        summary.data_seed, summary.data_started_at_sample = position.seed, position.samples_read
+        logger.info(f"reading the training data in order {position.seed}, from sample {position.samples_read}")
         train_loader = make_loader(train_set, batch_size=batch_size, workers=training.data_workers,
-                                   seed=training.seed, collate_fn=task.collate_fn, pin_memory=pinned)
-        val_loader = make_loader(val_set, batch_size=batch_size, workers=0, seed=0,
-                                 collate_fn=task.collate_fn, shuffle=False, pin_memory=pinned)
+                                   order=DataOrder(len(train_set), position.seed, position.samples_read),
+                                   collate_fn=task.collate_fn, pin_memory=pinned)
+        val_loader = make_loader(val_set, batch_size=batch_size, workers=0, collate_fn=task.collate_fn,
+                                 pin_memory=pinned)
         gate = PauseGate()
         pauser = Pauser(gate, self._pause_watch(gate, device), config.checkpoint.checkpoint_dir, model, optimizer,
                         session, monitoring.observer, summary)
         trainer = Trainer(
             config, task, model, optimizer, train_loader, val_loader, device=device, session=session, rounds=rounds,
-            store=store, stop=self.stop, timer=monitoring.timer, display=display, on_progress=monitoring.health.beat,
+            store=store, stop=self.stop, timer=monitoring.timer, data_position=position, display=display,
+            on_progress=monitoring.health.beat,
             precision=mixed_precision, faults=self.faults, pauser=pauser,
         )
         self.stack.callback(trainer.close)
@@ -275,7 +282,7 @@ class PeerBuilder:
         self.stack.callback(clock.stop)
         return publisher
 
-    def _join_run(self, dht: hivemind.DHT, task_name: str, model: torch.nn.Module) -> None:
+    def _join_run(self, dht: hivemind.DHT, task: Task, model: torch.nn.Module) -> None:
         """Check this peer's settings against the run's manifest (or start the run), then keep our copy alive.
 
         :raises ManifestMismatch: other settings than the swarm's (exit 2)
@@ -283,8 +290,9 @@ class PeerBuilder:
         :raises ManifestUnreadable: the run's peers are visible but their manifest is not (exit 1)
         """
         try:
-            manifest = join_run(dht, self.keys, manifest_for(self.config, task_name, model), self.run_owner_key,
-                                self.config.dht.run_owner, self.config.dht.startup_timeout_seconds, wait=self.stop.wait)
+            ours = manifest_for(self.config, task.name, model, task.shared_digests)
+            manifest = join_run(dht, self.keys, ours, self.run_owner_key, self.config.dht.run_owner,
+                                self.config.dht.startup_timeout_seconds, wait=self.stop.wait)
         except RunOwnerKeyError as e:
             raise BadInput(str(e)) from e
         if manifest is None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
 from hivemind.utils import get_dht_time
@@ -47,6 +47,9 @@ POLL_SECONDS = 0.5
 
 _ADAPTIVE_CODEC_SETTINGS = ("adaptive_compression_threshold", "adaptive_large_codec")
 
+TASK_DIGESTS = {"model_config": "model configuration", "tokenizer": "tokenizer"}
+"""The settings a task shares as digests (Task.shared_digests), by the option that sets each, and what it is."""
+
 
 class ManifestMismatch(BadInput):
     """This peer's settings differ from the swarm's: one line per setting."""
@@ -62,8 +65,10 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
-def manifest_for(config: PeerConfig, task_name: str, model: torch.nn.Module) -> RunManifest:
-    """:param task_name: the task's own name (a module:function task that wraps a built-in keeps its name)"""
+def manifest_for(config: PeerConfig, task_name: str, model: torch.nn.Module,
+                 shared_digests: Mapping[str, str] = {}) -> RunManifest:
+    """:param task_name: the task's own name (a module:function task that wraps a built-in keeps its name)
+    :param shared_digests: the task's (Task.shared_digests), such as hf-causal-lm's model configuration's"""
     averaging = config.averaging
     # the strategy's own shared settings, each read by its command-line name
     names = ["target_batch_size", "averaging", *STRATEGIES[averaging.strategy].shared_settings]
@@ -71,6 +76,7 @@ def manifest_for(config: PeerConfig, task_name: str, model: torch.nn.Module) -> 
         names += _ADAPTIVE_CODEC_SETTINGS
     settings: Dict[str, object] = {name: _setting(config, name) for name in names}
     settings["task"], settings["model"] = task_name, model_fingerprint(model)
+    settings.update(shared_digests)
     return RunManifest(protocol=PROTOCOL_VERSION, settings=settings, created=get_dht_time())
 
 
@@ -83,12 +89,14 @@ def differences(ours: RunManifest, swarm: RunManifest, verified: bool = True) ->
     if ours.protocol != swarm.protocol:
         return [f"this peer speaks swarm protocol {ours.protocol}, the swarm {swarm.protocol}: install the "
                 f"swarmtrain version the swarm runs, or start a new run with another --run-id"]
-    core = ["task", "target_batch_size", "averaging", "model"]
+    core = ["task", "target_batch_size", "averaging", "model", *TASK_DIGESTS]
     names = core + sorted((set(ours.settings) | set(swarm.settings)) - set(core))
     differs = {name for name in names if ours.settings.get(name) != swarm.settings.get(name)}
     if "averaging" in differs:  # the other strategy's own settings follow from it: name the strategy only
         differs &= set(core)
     if "task" in differs:  # another task has another model
+        differs -= {"model", *TASK_DIGESTS}
+    if "model_config" in differs:  # another configuration explains another layout: name the flag that fixes it
         differs.discard("model")
     describe = _difference if verified else _unverified_difference
     lines = [describe(name, ours.settings.get(name), swarm.settings.get(name))
@@ -103,6 +111,10 @@ def differences(ours: RunManifest, swarm: RunManifest, verified: bool = True) ->
 
 
 def _difference(name: str, mine, theirs) -> str:
+    if name in TASK_DIGESTS:
+        flag = OPTIONS_BY_CLI[name].flag
+        return (f"{flag}: this peer's {TASK_DIGESTS[name]} differs from the swarm's (digest {mine} here, {theirs} "
+                f"in the swarm); start with the swarm's {flag} (the same built-in name, or a copy of its file)")
     if name == "model":
         return (f"the model's parameters differ from the swarm's (layout {mine} here, {theirs} in the swarm): use "
                 f"the same task code and version as the swarm")
@@ -118,6 +130,8 @@ def _difference(name: str, mine, theirs) -> str:
 
 
 def _unverified_difference(name: str, mine, theirs) -> str:
+    if name in TASK_DIGESTS:
+        return f"{OPTIONS_BY_CLI[name].flag}: this peer's {TASK_DIGESTS[name]} (digest {mine}) differs from the run's"
     if name == "model":
         return f"the model's parameter layout ({mine} here) differs from the run's manifest"
     setting = "--task" if name == "task" else OPTIONS_BY_CLI[name].flag

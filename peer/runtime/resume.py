@@ -15,13 +15,14 @@ from averaging.api import LoopOptimizer
 from peer.checkpoint.store import CheckpointStore, LoadedCheckpoint
 from peer.config import PeerConfig
 from peer.runtime.precision import MixedPrecision
+from peer.tasks.order import DataPosition
 from peer.telemetry.summary import PeerSummary
 
 logger = logging.getLogger(__name__)
 
 
 def training_state(config: PeerConfig, task_name: str, model: torch.nn.Module, optimizer: LoopOptimizer,
-                   summary: PeerSummary, precision: MixedPrecision) -> dict:
+                   summary: PeerSummary, precision: MixedPrecision, data_position: DataPosition) -> dict:
     """Everything a checkpoint holds (the optimizer's background updates must have landed)."""
     scheduler = optimizer.scheduler
     return {
@@ -32,9 +33,13 @@ def training_state(config: PeerConfig, task_name: str, model: torch.nn.Module, o
         "local_epoch": optimizer.local_epoch,
         "local_steps": summary.local_steps,
         "samples": summary.samples,
+        "data": data_position.state_dict(),  # the order this peer reads its data in, and how far it has read
         "run_id": config.training.run_id,
         "task": task_name,
+        "task_spec": config.training.task,  # the --task `peer export` rebuilds (a module:function's name differs)
         "swarm_hash": config.swarm_hash(),
+        # what `peer export` rebuilds the task from: load_task(task, options=TaskOptions(**task_options))
+        "task_options": config.task.model_dump(mode="json"),
     }
 
 

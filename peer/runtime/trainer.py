@@ -35,7 +35,8 @@ from peer.runtime.resume import training_state
 from peer.runtime.session import SwarmSession
 from peer.runtime.tally import RoundTally
 from peer.tasks import Task
-from peer.tasks.data import endless, evaluate, move_to
+from peer.tasks.data import evaluate, move_to
+from peer.tasks.order import DataPosition
 from peer.telemetry.console import ProgressDisplay
 from peer.telemetry.reports import EpochReport
 from peer.testing.faults import FaultInjector
@@ -86,6 +87,7 @@ class Trainer:
         store: CheckpointStore,
         stop: StopRequest,
         timer: PhaseTimer,
+        data_position: DataPosition,
         display: Optional[ProgressDisplay] = None,
         on_progress: Callable[[], None] = lambda: None,
         precision: Optional[MixedPrecision] = None,
@@ -94,6 +96,7 @@ class Trainer:
     ):
         self.config, self.task, self.model, self.optimizer = config, task, model, optimizer
         self.train_loader, self.val_loader, self.device = train_loader, val_loader, device
+        self.data_position = data_position  # where the train loader's order stands: its checkpoints record it
         self.session, self.rounds, self.store = session, rounds, store
         self.summary, self.observer = rounds.summary, rounds.observer
         self.stop, self.timer = stop, timer
@@ -128,7 +131,7 @@ class Trainer:
             with self.timer.phase("checkpoint"):
                 self.optimizer.wait_for_background_updates()
                 state = training_state(self.config, self.task.name, self.model, self.optimizer, self.summary,
-                                       self.precision)
+                                       self.precision, self.data_position)
                 path = self.store.save(state, global_epoch=epoch)
         except CheckpointError as e:
             self._checkpoint_failed(epoch, e)
@@ -191,7 +194,7 @@ class Trainer:
             return training.max_seconds is not None and time.monotonic() - started >= training.max_seconds
 
         self.model.train()
-        batches = endless(self.train_loader)
+        batches = iter(self.train_loader)  # endless: its order never ends
         val_loss = self.validate()
         self.rounds.judge_update(self.optimizer.local_epoch, val_loss, self.optimizer)  # the first baseline
         self.summary.val_loss_first = self.summary.val_loss_last = val_loss
@@ -241,6 +244,7 @@ class Trainer:
         timer = self.timer
         with timer.phase("data_wait"):
             batch = next(batches)
+        self.data_position.samples_read += self.batch_size
         with timer.phase("h2d"):
             batch = move_to(batch, self.device)
             self._phase_boundary()

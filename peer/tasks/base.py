@@ -6,8 +6,9 @@ not start processes, read the peer's config or talk to the network.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 from torch.utils.data import Dataset
@@ -17,6 +18,7 @@ DatasetFactory = Callable[[], Dataset]
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+ModelExporter = Callable[[torch.nn.Module, Path], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +47,14 @@ class Task:
     """Samples per local step, unless --batch-size overrides it."""
     collate_fn: Optional[Callable[[list], Any]] = None
     """Optional DataLoader collate function; the default stacks tensors."""
+    export_model: Optional[ModelExporter] = None
+    """Optional export_model(model, directory): writes the trained model into an empty directory in a form other
+    tools load (hf-causal-lm: what `from_pretrained` reads). None: `peer export` writes model.safetensors and a
+    JSON description."""
+    shared_digests: Mapping[str, str] = field(default_factory=dict)
+    """Digests of what every peer of the run must share beyond the model's parameter layout, by the command-line
+    name of the option that sets it (hf-causal-lm: model_config, tokenizer). They go into the run manifest, and a
+    peer whose digests differ from the swarm's is refused, naming the option."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:

@@ -106,7 +106,7 @@ def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def _source_paths(root: str) -> list:
+def source_paths(root: str) -> list:
     """Relative paths of the stdlib's .py files, sorted, so every peer reads them in one order."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -136,7 +136,7 @@ def build_corpus(corpus_bytes: int, root: Optional[str] = None) -> ByteCorpus:
     chunks = {"train": [], "val": []}
     files = {"train": [], "val": []}
     used = {"train": 0, "val": 0}
-    for rel_path in _source_paths(root):
+    for rel_path in source_paths(root):
         split = "val" if is_validation_file(rel_path) else "train"
         room = budgets[split] - used[split]
         if room <= 0:

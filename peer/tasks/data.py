@@ -1,4 +1,4 @@
-"""Data plumbing for the training loop: loaders with workers, endless iteration, device moves.
+"""Data plumbing for the training loop: loaders with workers, device moves.
 
 On CUDA, loaders put batches in pinned (page-locked) host memory and the copy to the device is
 non-blocking, so it overlaps with the work queued before it; the loop's `h2d` phase stays honest because
@@ -6,10 +6,10 @@ the loop synchronizes at phase boundaries when it times them (peer/runtime/train
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 def make_loader(
@@ -17,36 +17,22 @@ def make_loader(
     *,
     batch_size: int,
     workers: int,
-    seed: int,
+    order: Optional[Sampler] = None,
     collate_fn: Optional[Callable] = None,
-    shuffle: bool = True,
     pin_memory: bool = False,
 ) -> DataLoader:
-    generator = torch.Generator()
-    generator.manual_seed(seed)
+    """:param order: the training data's order (peer/tasks/order.py), endless; None: once through, in order, as
+        validation reads it"""
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        shuffle=shuffle,
-        drop_last=shuffle,
+        sampler=order,
         num_workers=workers,
         persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None,
         collate_fn=collate_fn,
-        generator=generator,
         pin_memory=pin_memory,
     )
-
-
-def endless(loader: DataLoader) -> Iterator[Any]:
-    """Iterate over the loader forever, one pass after another."""
-    while True:
-        yielded = False
-        for batch in loader:
-            yielded = True
-            yield batch
-        if not yielded:
-            raise ValueError("the training dataset yields no full batch; lower --batch-size or use more data")
 
 
 def move_to(batch: Any, device: torch.device) -> Any:

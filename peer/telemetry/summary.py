@@ -37,6 +37,10 @@ class PeerSummary(BaseModel):
     overflow_batches: int = 0
     """fp16 batches skipped because their gradients overflowed (the loss scaler lowered its scale)."""
     resumed_from: Optional[str] = None
+    data_seed: Optional[int] = None
+    """The seed of this peer's data order (peer/tasks/order.py): its own unless --seed fixed it."""
+    data_started_at_sample: int = 0
+    """Where in that order this run began: 0, or where its checkpoint had read to."""
     last_checkpoint: Optional[str] = None
     """The newest checkpoint this peer wrote."""
     checkpoint_failures: int = 0

@@ -118,6 +118,12 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "yield_gpu_share": [lambda t: "-0.1"],
     "yield_after_seconds": [lambda t: "-1"],
     "resume_after_quiet_seconds": [lambda t: "soon"],
+    # hf-causal-lm's options: paths that must exist here (a Hub name never does: nothing is downloaded)
+    "model_config": [lambda t: "meta-llama/Llama-3.2-1B", lambda t: str(t / "missing" / "config.json")],
+    "init_from": [lambda t: str(t / "no-such-dir")],
+    "data": [lambda t: str(t / "nothing-*.txt"), lambda t: _file(t, "notes.pdf", "not text it reads")],
+    "tokenizer": [lambda t: "gpt2"],
+    "seq_len": [lambda t: "1", lambda t: "long"],
 }
 
 CASES = [(name, index) for name in sorted(BAD_VALUES) for index in range(len(BAD_VALUES[name]))]
@@ -228,6 +234,11 @@ def test_bad_config_file_shape(capsys, tmp_path, content, expected, name):
         (["--error-feedback", "on", "--grad-compression", "uint8"], "its replies are lossy too"),
         (["--error-feedback", "on", "--grad-compression", "int8", "--averaging", "powersgd"],
          "--error-feedback on does not apply to --averaging powersgd"),
+        (["--model-config", "llama-1m"],
+         "--model-config: an option of --task hf-causal-lm, which --task bytelm does not take"),
+        (["--task", "examples.custom_task:make_task", "--seq-len", "64"],
+         "--seq-len: an option of --task hf-causal-lm, which --task examples.custom_task:make_task does not take"),
+        (["--task", "hf-causal-lm"], "--task hf-causal-lm needs --data"),
         (["--inject-faults", "{{not json"], "--inject-faults"),
         (["--inject-faults", '{{"fail_round_at_epoch": -1}}'], "fail_round_at_epoch: Input should be greater than"),
         (["--inject-faults", '{{"crash": true}}'], "crash: Extra inputs are not permitted"),

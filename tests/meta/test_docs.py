@@ -36,7 +36,7 @@ def load_reference_hook():
 def test_readme_leads_with_install_and_run_then_tests():
     install_and_run, run_tests = COMMANDS[0], COMMANDS[1]
     assert install_and_run.endswith("peer start")
-    assert "'.[test]'" in run_tests and run_tests.endswith("pytest")
+    assert "'.[test,hf]'" in run_tests and run_tests.endswith("pytest")
 
 
 def test_ci_runs_the_readme_test_command():

@@ -234,6 +234,6 @@ def test_the_default_checkpoint_dir_is_ignored_by_git():
     from peer.config import load_config
 
     default = load_config().checkpoint.checkpoint_dir
-    result = subprocess.run(["git", "check-ignore", "-q", str(default / "checkpoint-000001-epoch000001.pt")],
-                            cwd=ROOT, timeout=30)
+    written = default / "checkpoint-000001-epoch000001" / "model.safetensors"
+    result = subprocess.run(["git", "check-ignore", "-q", str(written)], cwd=ROOT, timeout=30)
     assert result.returncode == 0, f"{default}/ is not ignored by git"

@@ -73,6 +73,21 @@ def test_local_overhead_smoke(tmp_path: Path):
 
 
 @pytest.mark.timeout(150)
+def test_local_overhead_smoke_with_a_transformers_model(tmp_path: Path):
+    """--task hf-causal-lm with a tiny Llama configuration, reading the stdlib's sources as its text."""
+    transformers = pytest.importorskip("transformers", reason="hf-causal-lm needs the hf extra")
+    transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                             bos_token_id=None, eos_token_id=None).save_pretrained(tmp_path / "tiny")
+    results, _ = run_benchmark("local_overhead", tmp_path, "--task", "hf-causal-lm", "--task-option",
+                               f"model_config={tmp_path / 'tiny'}", "--task-option", "seq_len=32", timeout=130.0)
+    assert results["task"] == "hf-causal-lm" and results["task_options"]["seq_len"] == "32"
+    cpu = results["devices"]["cpu"]
+    assert cpu["task"] == "hf-causal-lm" and cpu["batch_size"] == results["batch_size"]
+    assert STATS <= cpu["ratios"]["daemon_over_plain"].keys() and cpu["ratios"]["daemon_over_plain"]["n"] >= 1
+
+
+@pytest.mark.timeout(150)
 def test_allreduce_link_smoke(tmp_path: Path):
     results, pid = run_benchmark("allreduce_link", tmp_path, timeout=130)
     assert results["network"] in ("netns", "loopback-only")
@@ -135,7 +150,9 @@ def test_scaling_smoke(tmp_path: Path):
             "speedup_vs_1", "hiding"} <= results.keys()
     assert {row["peers"] for row in results["scaling"]} == {1, 2}
     for row in results["scaling"]:
-        assert {"reached", "cpu_sets", "oversubscribed", "exit_codes", "epoch"} <= row.keys()
+        assert {"reached", "cpu_sets", "oversubscribed", "exit_codes", "epoch", "curve"} <= row.keys()
+        seconds = [point[0] for point in row["curve"]]
+        assert row["curve"] and seconds == sorted(seconds)  # every validated epoch, in order
     assert results["hiding"]["skipped"] in (True, False)
 
 

@@ -13,7 +13,9 @@ from peer.testing import Swarm, until
 
 
 def fingerprints(directory: Path) -> dict:
-    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in directory.glob("checkpoint-*.pt")}
+    """Each checkpoint's name -> the sha256 of all its parts (a checkpoint is a directory of them)."""
+    return {path.name: hashlib.sha256(b"".join(part.read_bytes() for part in sorted(path.iterdir()))).hexdigest()
+            for path in directory.glob("checkpoint-*")}
 
 
 @pytest.mark.timeout(150)

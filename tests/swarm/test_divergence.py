@@ -30,4 +30,4 @@ async def test_a_lone_peer_whose_loss_stays_nonfinite_stops_with_one_clear_error
     summary = json.loads((tmp_path / "peer-0.json").read_text())
     assert summary["exit_reason"] == "diverged"
     assert summary["nonfinite_batches"] >= 20
-    assert not list(peer.checkpoint_dir.glob("*.pt"))  # diverged weights are not checkpointed
+    assert not list(peer.checkpoint_dir.glob("checkpoint-*"))  # diverged weights are not checkpointed

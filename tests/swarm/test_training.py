@@ -2,19 +2,38 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import shlex
 import signal
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from peer.telemetry.events import Exited, RoundEnded, StateDownloaded, read_events
+from peer.tasks import load_task
+from peer.tasks.order import DataOrder
+from peer.telemetry.events import EpochEnded, Exited, RoundEnded, StateDownloaded, read_events
 from peer.testing import FAST_ENV, Swarm, load_model_state, max_parameter_difference
 from tests.peers import FAST_SWARM_ARGS
 
 
 def read_summary(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def entered_by_averaging(events) -> list:
+    """The epochs a peer entered through a gradient round it averaged in (ok or partial): its last round before each
+    EpochEnded."""
+    entered, last_round = [], None
+    for event in events:
+        if isinstance(event, RoundEnded):
+            last_round = event
+        elif isinstance(event, EpochEnded):
+            if last_round is not None and last_round.outcome in ("ok", "partial"):
+                entered.append(event.epoch)
+            last_round = None
+    return entered
 
 
 @pytest.mark.timeout(240)
@@ -35,13 +54,17 @@ async def test_three_peers_train_in_lock_step(tmp_path: Path):
     for summary in summaries:
         assert summary["exit_reason"] == "max_epochs"
         assert summary["global_epoch"] == epochs
-        assert summary["averaging_rounds"]["ok"] >= epochs // 2, summary["averaging_rounds"]
         assert summary["val_loss_last"] <= 0.7 * summary["val_loss_first"], summary
         assert summary["phase_seconds"]["forward"] > 0 and summary["phase_seconds"]["averaging"] > 0
-    for index in range(3):  # nobody trained alone first: each one's first round had a group
+    averaged_into = Counter()  # epoch -> peers that entered it through a round they averaged in
+    for index in range(3):
         events, _ = read_events(tmp_path / "ckpt" / f"peer-{index}.events.jsonl")
         first_round = next(event for event in events if isinstance(event, RoundEnded))
-        assert first_round.outcome != "skipped", (index, first_round)
+        assert first_round.outcome != "skipped", (index, first_round)  # nobody trained alone first
+        averaged_into.update(entered_by_averaging(events))
+    # the swarm trained together at every epoch; a peer that the others left behind under load (its machine
+    # starved, or its first round partial) may enter a few epochs by downloading their state instead (seen in CI)
+    assert all(averaged_into[epoch] >= 2 for epoch in range(1, epochs + 1)), averaged_into
     states = [load_model_state(tmp_path / "ckpt" / f"peer-{i}") for i in range(3)]
     assert max_parameter_difference(states[0], states[1]) <= 1e-5
     assert max_parameter_difference(states[0], states[2]) <= 1e-5
@@ -99,10 +122,11 @@ async def test_late_joiner_downloads_state_then_restart_resumes_from_checkpoint(
         assert stopped["exit_reason"] == "signal:SIGTERM"
         assert stopped["state_downloads"] >= 1
 
-        checkpoints = sorted(late.checkpoint_dir.glob("checkpoint-*.pt"))
+        checkpoints = sorted(late.checkpoint_dir.glob("checkpoint-*"))
         assert len(checkpoints) >= 2
         newest = checkpoints[-1]
-        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a torn write
+        torn = newest / "model.safetensors"
+        torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])  # a torn write
 
         await late.restart()
         await late.wait_for(StateDownloaded, timeout=90, what="the restarted peer to catch up with the swarm")
@@ -129,7 +153,7 @@ async def test_sigint_saves_checkpoint_and_restart_resumes(tmp_path: Path):
         assert await peer.exit_code(timeout=30) == 0
         first = read_summary(tmp_path / "peer-0.json")
         assert first["exit_reason"] == "signal:SIGINT"
-        assert len(list(peer.checkpoint_dir.glob("checkpoint-*.pt"))) == 1  # written on shutdown
+        assert len(list(peer.checkpoint_dir.glob("checkpoint-*"))) == 1  # written on shutdown
         assert "Traceback" not in peer.log()
 
         await peer.restart("--max-epochs", str(first["global_epoch"] + 2))
@@ -138,6 +162,31 @@ async def test_sigint_saves_checkpoint_and_restart_resumes(tmp_path: Path):
         assert second["resumed_from"] is not None
         assert second["global_epoch"] == first["global_epoch"] + 2
         assert second["local_steps"] > first["local_steps"]
+        # it read on in its own order from where it stood, not from its first sample again
+        assert second["data_seed"] == first["data_seed"]
+        assert second["data_started_at_sample"] == first["samples"] > 0
+
+
+@pytest.mark.timeout(180)
+async def test_two_peers_started_with_the_printed_join_command_read_different_samples(tmp_path: Path):
+    """The join command carries no seed: each peer draws its own data order (from its peer ID), so two volunteers
+    who follow it never compute the same batches; they still end with one state."""
+    epochs = ("--max-epochs", "3")
+    async with Swarm(tmp_path, fast=True) as swarm:
+        first = await swarm.add(*TINY, "--target-batch-size", "32", "--min-peers", "2", *epochs)
+        lines = first.log().splitlines()
+        hint = lines[next(index for index, line in enumerate(lines) if "To join this swarm" in line) + 1]
+        command = shlex.split(hint.partition("peer start")[2])
+        assert "--seed" not in command and "--initial-peers" in command, hint
+        second = await swarm.add(*command, *epochs, join=False)
+        assert await swarm.all_exited(timeout=120) == [0, 0]
+
+        seeds = [read_summary(tmp_path / f"{peer.name}.json")["data_seed"] for peer in (first, second)]
+        assert seeds[0] != seeds[1], seeds
+        samples = len(load_task("bytelm-tiny").build_train_dataset())
+        orders = [list(itertools.islice(iter(DataOrder(samples, seed)), 64)) for seed in seeds]
+        assert len(set(orders[0]) & set(orders[1])) < 8, orders  # two draws of 64 from thousands barely meet
+        assert max_parameter_difference(first.model_state(), second.model_state()) <= 1e-5
 
 
 @pytest.mark.timeout(120)

@@ -1,7 +1,13 @@
-"""Tests for peer/checkpoint/store.py: round trips, retention, corruption, crashes, full disks."""
+"""Tests for peer/checkpoint/store.py: round trips, retention, corruption, crashes, full disks.
+
+The on-disk formats themselves (tied and strided tensors, damage to each part, the earlier single-file format)
+are tested in test_checkpoint_format.py.
+"""
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -12,17 +18,20 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from benchmarks.common import child_env
-from peer.checkpoint import store as checkpoint_module
+from peer.checkpoint import framed, parts
 from peer.checkpoint.store import HEADER_SIZE_BYTES, CheckpointError, CheckpointStore
 
 CHILD_TIMEOUT_SECONDS = 120
+pytestmark = pytest.mark.timeout(150)
 
 
 def small_state(epoch: int) -> dict:
-    return {"weights": torch.full((16,), float(epoch)), "global_epoch": epoch, "config_hash": "abc123", "note": None}
+    return {"model": {"weights": torch.full((16,), float(epoch))}, "global_epoch": epoch, "config_hash": "abc123",
+            "note": None}
 
 
 def assert_nested_equal(actual, expected, where="state"):
@@ -30,7 +39,8 @@ def assert_nested_equal(actual, expected, where="state"):
         assert isinstance(actual, torch.Tensor), where
         assert actual.dtype == expected.dtype and torch.equal(actual, expected), where
     elif isinstance(expected, dict):
-        assert isinstance(actual, dict) and list(actual) == list(expected), where
+        assert type(actual) is type(expected) and list(actual) == list(expected), where
+        assert getattr(actual, "_metadata", None) == getattr(expected, "_metadata", None), where
         for key in expected:
             assert_nested_equal(actual[key], expected[key], f"{where}[{key!r}]")
     elif isinstance(expected, (list, tuple)):
@@ -73,8 +83,9 @@ def test_round_trip_model_adamw_and_lambda_lr(tmp_path):
     saved = CheckpointStore(tmp_path).save(state, global_epoch=7)
     loaded = CheckpointStore(tmp_path).load_latest()
 
-    assert loaded is not None and loaded.path == saved
-    assert_nested_equal(loaded.state, state)
+    assert loaded is not None and loaded.path == saved and loaded.global_epoch == 7
+    assert loaded.sha256 == hashlib.sha256((saved / "checkpoint.json").read_bytes()).hexdigest()
+    assert_nested_equal(loaded.state, state)  # an OrderedDict with torch's module versions, as model.state_dict()
 
     # The loaded state must restore training exactly: one more step from each copy agrees.
     restored_model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -94,13 +105,20 @@ def test_round_trip_model_adamw_and_lambda_lr(tmp_path):
     assert scheduler.get_last_lr() == restored_scheduler.get_last_lr()
 
 
-def test_file_format_header(tmp_path):
+def test_a_checkpoint_is_a_directory_of_safetensors_weights_framed_training_state_and_an_index(tmp_path):
     path = CheckpointStore(tmp_path).save(small_state(1), global_epoch=1)
-    data = path.read_bytes()
-    magic, version, length, _ = checkpoint_module._HEADER.unpack(data[:HEADER_SIZE_BYTES])
-    assert magic == b"SWRMCKPT" and version == 1
-    assert length == len(data) - HEADER_SIZE_BYTES
-    assert path.name == "checkpoint-000001-epoch000001.pt"
+    assert path.name == "checkpoint-000001-epoch000001" and path.is_dir()
+    assert sorted(os.listdir(path)) == ["checkpoint.json", "model.safetensors", "training.pt"]
+    index = json.loads((path / "checkpoint.json").read_text())
+    assert index["format"] == "swarmtrain-checkpoint" and index["version"] == 2 and index["global_epoch"] == 1
+    for name, entry in index["files"].items():
+        data = (path / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    # other tools read the weights with safetensors alone
+    assert torch.equal(safetensors.torch.load_file(path / "model.safetensors")["weights"], torch.full((16,), 1.0))
+    training = (path / "training.pt").read_bytes()
+    magic, version, length, _ = framed.HEADER.unpack(training[:HEADER_SIZE_BYTES])
+    assert magic == b"SWRMCKPT" and version == 1 and length == len(training) - HEADER_SIZE_BYTES
 
 
 def test_empty_directory_loads_none_and_directory_is_created(tmp_path):
@@ -115,33 +133,35 @@ def test_retention_keeps_newest_and_sequence_continues_across_stores(tmp_path):
     store = CheckpointStore(tmp_path, keep=2)
     for epoch in range(10, 15):
         store.save(small_state(epoch), global_epoch=epoch)
-    assert [p.name for p in store.list()] == ["checkpoint-000004-epoch000013.pt", "checkpoint-000005-epoch000014.pt"]
+    assert [p.name for p in store.list()] == ["checkpoint-000004-epoch000013", "checkpoint-000005-epoch000014"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-000004-epoch000013", "checkpoint-000005-epoch000014"]
 
     # A restarted peer may be at a lower global epoch; the sequence still orders it newest.
     restarted = CheckpointStore(tmp_path, keep=2)
     path = restarted.save(small_state(3), global_epoch=3)
-    assert path.name == "checkpoint-000006-epoch000003.pt"
-    assert [p.name for p in restarted.list()] == ["checkpoint-000005-epoch000014.pt", path.name]
+    assert path.name == "checkpoint-000006-epoch000003"
+    assert [p.name for p in restarted.list()] == ["checkpoint-000005-epoch000014", path.name]
     loaded = restarted.load_latest()
     assert loaded.path == path and loaded.state["global_epoch"] == 3
 
 
 def test_ordering_is_numeric_and_unrelated_files_are_ignored(tmp_path):
     store = CheckpointStore(tmp_path, keep=5)
-    older = store.save(small_state(1), global_epoch=1)
-    newer = tmp_path / "checkpoint-1000000-epoch000002.pt"
-    older.rename(tmp_path / "checkpoint-999999-epoch000001.pt")
-    older = tmp_path / "checkpoint-999999-epoch000001.pt"
-    newer.write_bytes(older.read_bytes())
+    first = store.save(small_state(1), global_epoch=1)
+    older = tmp_path / "checkpoint-999999-epoch000001"
+    first.rename(older)
+    newer = tmp_path / "checkpoint-1000000-epoch000002"
+    shutil.copytree(older, newer)
     (tmp_path / "notes.txt").write_text("not a checkpoint")
-    (tmp_path / "checkpoint-latest.pt").write_text("not ours either")
-    (tmp_path / "checkpoint-000005-epoch000005.pt.bak").write_text("nor this")
-    (tmp_path / "checkpoint-2000000-epoch000009.pt").mkdir()  # a directory, not a checkpoint
+    (tmp_path / "checkpoint-latest").mkdir()
+    (tmp_path / "checkpoint-000005-epoch000005.bak").mkdir()
+    (tmp_path / "checkpoint-2000000-epoch000009").write_text("a file, not a checkpoint directory")
+    (tmp_path / "checkpoint-2000001-epoch000009.pt").mkdir()  # a directory, not a checkpoint of the earlier format
 
     assert store.list() == [older, newer]
     assert store.load_latest().path == newer
-    assert store.save(small_state(3), global_epoch=3).name == "checkpoint-1000001-epoch000003.pt"
-    assert (tmp_path / "notes.txt").exists() and (tmp_path / "checkpoint-latest.pt").exists()
+    assert store.save(small_state(3), global_epoch=3).name == "checkpoint-1000001-epoch000003"
+    assert (tmp_path / "notes.txt").exists() and (tmp_path / "checkpoint-latest").exists()
 
 
 @pytest.mark.parametrize("keep", [0, -1])
@@ -150,120 +170,85 @@ def test_keep_below_one_is_rejected(tmp_path, keep):
         CheckpointStore(tmp_path, keep=keep)
 
 
-def save_two(tmp_path):
+def test_all_checkpoints_damaged_loads_none(tmp_path, caplog):
     store = CheckpointStore(tmp_path)
     first = store.save(small_state(1), global_epoch=1)
     second = store.save(small_state(2), global_epoch=2)
-    return store, first, second
-
-
-def test_truncated_newest_is_skipped_with_warning(tmp_path, caplog):
-    store, first, second = save_two(tmp_path)
-    data = second.read_bytes()
-    second.write_bytes(data[: len(data) - 100])
-
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
-        loaded = store.load_latest()
-
-    assert loaded.path == first
-    assert_nested_equal(loaded.state, small_state(1))
-    messages = warnings_about(caplog, second)
-    assert len(messages) == 1 and "truncated" in messages[0]
-
-
-def test_file_shorter_than_header_is_skipped(tmp_path, caplog):
-    store, first, second = save_two(tmp_path)
-    second.write_bytes(second.read_bytes()[:10])
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
-        assert store.load_latest().path == first
-    assert any("header" in m for m in warnings_about(caplog, second))
-
-
-def test_flipped_byte_in_payload_is_skipped_with_warning(tmp_path, caplog):
-    store, first, second = save_two(tmp_path)
-    data = bytearray(second.read_bytes())
-    data[HEADER_SIZE_BYTES + (len(data) - HEADER_SIZE_BYTES) // 2] ^= 0x01
-    second.write_bytes(bytes(data))
-
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
-        loaded = store.load_latest()
-
-    assert loaded.path == first
-    assert_nested_equal(loaded.state, small_state(1))
-    messages = warnings_about(caplog, second)
-    assert len(messages) == 1 and "sha256" in messages[0]
-
-
-def test_trailing_bytes_after_payload_are_detected(tmp_path, caplog):
-    store, first, second = save_two(tmp_path)
-    with open(second, "ab") as file:
-        file.write(b"\0" * 8)
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
-        assert store.load_latest().path == first
-    assert any("longer than" in m for m in warnings_about(caplog, second))
-
-
-def test_garbage_file_is_skipped_with_warning(tmp_path, caplog):
-    store, _, second = save_two(tmp_path)
-    garbage = tmp_path / "checkpoint-000003-epoch000003.pt"
-    garbage.write_bytes(os.urandom(4096))
-
-    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
-        loaded = store.load_latest()
-
-    assert loaded.path == second
-    assert_nested_equal(loaded.state, small_state(2))
-    messages = warnings_about(caplog, garbage)
-    assert len(messages) == 1 and "magic" in messages[0]
-
-
-def test_all_checkpoints_damaged_loads_none(tmp_path, caplog):
-    store, first, second = save_two(tmp_path)
-    first.write_bytes(b"")
-    second.write_bytes(b"x" * 1000)
+    (first / "checkpoint.json").write_bytes(b"")
+    (second / "model.safetensors").write_bytes(b"x" * 1000)
     with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
         assert store.load_latest() is None
     assert warnings_about(caplog, first) and warnings_about(caplog, second)
 
 
+# The child dies (SIGKILL) at one step of a save: `when` names the step, `patch` makes that step kill it.
 KILLED_WRITER = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
     import torch
+    from peer.checkpoint import parts, store as store_module
     from peer.checkpoint.store import CheckpointStore
 
-    store = CheckpointStore(Path(sys.argv[1]))
+    directory, when = Path(sys.argv[1]), sys.argv[2]
+    store = CheckpointStore(directory, keep=1)
 
-    def die_before_rename(src, dst):
+    def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 
-    os.replace = die_before_rename
-    store.save({"weights": torch.full((4096,), 99.0), "global_epoch": 99}, global_epoch=99)
+    if when == "after_the_first_part":
+        real_write = parts.write_synced
+        def write_one_then_die(path, *chunks):
+            real_write(path, *chunks)
+            die()
+        parts.write_synced = write_one_then_die
+    elif when == "before_the_rename":
+        os.replace = die
+    elif when == "before_the_directory_fsync":
+        real_fsync = store_module.fsync_directory
+        store_module.fsync_directory = lambda path: die() if path == directory else real_fsync(path)
+    elif when == "while_pruning":
+        store_module.remove_quietly = die
+    store.save({"model": {"weights": torch.full((4096,), 99.0)}, "global_epoch": 99}, global_epoch=99)
     """
 )
 
 
-def test_writer_killed_before_rename_leaves_previous_checkpoint(tmp_path):
-    CheckpointStore(tmp_path).save(small_state(1), global_epoch=1)
+# what each crash leaves: the checkpoints in the sequence (oldest first), once a new store has cleaned up
+SURVIVORS = {
+    "after_the_first_part": ["previous"],
+    "before_the_rename": ["previous"],
+    "before_the_directory_fsync": ["previous", "newest"],  # in place, and complete: only a power loss could undo it
+    "while_pruning": ["newest"],  # the old one was renamed out of the sequence before its deletion began
+}
+
+
+@pytest.mark.parametrize("when", list(SURVIVORS))
+def test_a_writer_killed_at_any_step_leaves_complete_checkpoints_only(tmp_path, when):
+    previous = CheckpointStore(tmp_path).save(small_state(1), global_epoch=1)
     result = subprocess.run(
-        [sys.executable, "-c", KILLED_WRITER, str(tmp_path)],
+        [sys.executable, "-c", KILLED_WRITER, str(tmp_path), when],
         env=child_env(),
         capture_output=True,
         timeout=CHILD_TIMEOUT_SECONDS,
     )
-
     assert result.returncode == -signal.SIGKILL, result.stderr.decode(errors="replace")
-    leftovers = temp_files(tmp_path)
-    assert len(leftovers) == 1, "the child must have died with its temp file written but not renamed"
-    assert (tmp_path / leftovers[0]).stat().st_size > HEADER_SIZE_BYTES
+    if when != "before_the_directory_fsync":
+        leftovers = temp_files(tmp_path)
+        assert len(leftovers) == 1 and os.listdir(tmp_path / leftovers[0]), "it must die with a part on disk"
 
     store = CheckpointStore(tmp_path)
     assert temp_files(tmp_path) == []
-    assert [p.name for p in store.list()] == ["checkpoint-000001-epoch000001.pt"]
-    loaded = store.load_latest()
-    assert_nested_equal(loaded.state, small_state(1))
-    assert store.save(small_state(2), global_epoch=2).name == "checkpoint-000002-epoch000002.pt"
+    paths = {"previous": previous, "newest": tmp_path / "checkpoint-000002-epoch000099"}
+    survivors = [paths[name] for name in SURVIVORS[when]]
+    assert store.list() == survivors
+    states = {"previous": small_state(1),
+              "newest": {"model": {"weights": torch.full((4096,), 99.0)}, "global_epoch": 99}}
+    for name in SURVIVORS[when]:
+        assert_nested_equal(parts.read_parts(paths[name])[0], states[name])
+    assert store.load_latest().path == survivors[-1]
+    sequence = 3 if "newest" in SURVIVORS[when] else 2
+    assert store.save(small_state(2), global_epoch=2).name == f"checkpoint-{sequence:06d}-epoch000002"
 
 
 @pytest.fixture
@@ -296,7 +281,7 @@ def test_disk_full_raises_and_keeps_previous_checkpoint(tmp_path, small_filesyst
     directory = small_filesystem if small_filesystem is not None else tmp_path / "fallback"
     store = CheckpointStore(directory, keep=1)  # keep=1: pruning before the rename would lose `previous`
     previous = store.save(small_state(1), global_epoch=1)
-    too_big = {"weights": torch.zeros(256 * 1024), "global_epoch": 2}  # 1 MiB of float32
+    too_big = {"model": {"weights": torch.zeros(256 * 1024)}, "global_epoch": 2}  # 1 MiB of float32
 
     if small_filesystem is None:
 
@@ -309,7 +294,7 @@ def test_disk_full_raises_and_keeps_previous_checkpoint(tmp_path, small_filesyst
         store.save(too_big, global_epoch=2)
 
     message = str(raised.value)
-    assert "\n" not in message and "checkpoint-000002-epoch000002.pt" in message and "ENOSPC" in message
+    assert "\n" not in message and "checkpoint-000002-epoch000002" in message and "ENOSPC" in message
     monkeypatch.undo()
     assert temp_files(directory) == []
     assert store.list() == [previous]
@@ -317,7 +302,29 @@ def test_disk_full_raises_and_keeps_previous_checkpoint(tmp_path, small_filesyst
     assert loaded.path == previous
     assert_nested_equal(loaded.state, small_state(1))
     # The failed attempt released its space: a small checkpoint still fits.
-    assert store.save(small_state(3), global_epoch=3).name == "checkpoint-000002-epoch000003.pt"
+    assert store.save(small_state(3), global_epoch=3).name == "checkpoint-000002-epoch000003"
+
+
+def test_disk_full_on_the_second_part_removes_the_first_and_keeps_previous(tmp_path, monkeypatch):
+    store = CheckpointStore(tmp_path)
+    previous = store.save(small_state(1), global_epoch=1)
+    written = []
+    real_write = parts.write_synced
+
+    def full_after_one(path, *chunks):
+        if written:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written.append(path.name)
+        real_write(path, *chunks)
+
+    monkeypatch.setattr(parts, "write_synced", full_after_one)
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoint .*checkpoint-000002-epoch000002: .*ENOSPC"):
+        store.save(small_state(2), global_epoch=2)
+    monkeypatch.undo()
+
+    assert written == ["model.safetensors"]
+    assert os.listdir(tmp_path) == [previous.name]  # no temp directory, no half-written checkpoint
+    assert_nested_equal(store.load_latest().state, small_state(1))
 
 
 def test_failed_rename_removes_temp_and_keeps_previous(tmp_path, monkeypatch):
@@ -358,7 +365,7 @@ def test_save_creates_a_deleted_directory_again(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
         path = store.save(small_state(2), global_epoch=2)
 
-    assert path.name == "checkpoint-000001-epoch000002.pt" and store.list() == [path]
+    assert path.name == "checkpoint-000001-epoch000002" and store.list() == [path]
     assert_nested_equal(store.load_latest().state, small_state(2))
     assert any("is gone; creating it again" in r.getMessage() for r in caplog.records)
 

@@ -34,6 +34,7 @@ from peer.runtime.tally import RoundTally
 from peer.runtime.trainer import NONFINITE_LOSS_LIMIT, Trainer, TrainingDiverged
 from peer.tasks import Task, load_task
 from peer.tasks.data import make_loader
+from peer.tasks.order import DataOrder, resume_position
 from peer.telemetry.events import EventLog, UpdatesRefused, read_events
 from peer.telemetry.observers import EventsObserver, MetricsObserver, Observers
 from peer.telemetry.reports import EpochReport, TrainingObserver
@@ -280,13 +281,15 @@ def make_rig(tmp_path: Path, task: Optional[Task] = None, *, peers: int = 1, out
                               scheduler_factory=task.build_scheduler, hooks=rounds.hooks(timer))
     mixed_precision = precision(model) if precision is not None else None
     restore_optimizer(checkpoint, optimizer, summary, mixed_precision)
-    train_loader = make_loader(task.build_train_dataset(), batch_size=BATCH, workers=0, seed=0,
-                               collate_fn=task.collate_fn)
-    val_loader = make_loader(task.build_val_dataset(), batch_size=BATCH, workers=0, seed=0,
-                             collate_fn=task.collate_fn, shuffle=False)
+    train_set = task.build_train_dataset()
+    position = resume_position(checkpoint.state.get("data") if checkpoint is not None else None, 0, 0)
+    train_loader = make_loader(train_set, batch_size=BATCH, workers=0, collate_fn=task.collate_fn,
+                               order=DataOrder(len(train_set), position.seed, position.samples_read))
+    val_loader = make_loader(task.build_val_dataset(), batch_size=BATCH, workers=0, collate_fn=task.collate_fn)
     session, stop = FakeSession(), StopRequest()
     trainer = Trainer(config, task, model, optimizer, train_loader, val_loader, device=torch.device("cpu"),
-                      session=session, rounds=rounds, store=store, stop=stop, timer=timer, precision=mixed_precision)
+                      session=session, rounds=rounds, store=store, stop=stop, timer=timer, data_position=position,
+                      precision=mixed_precision)
     return Rig(config, task, model, optimizer, summary, observer, session, store, stop, trainer)
 
 
@@ -709,3 +712,33 @@ def test_the_loss_scale_survives_a_checkpoint(tmp_path):
     resumed = make_rig(tmp_path, resume=True, precision=fp16(init_scale=2.0 ** 24))
 
     assert resumed.trainer.precision.scale == found
+
+
+class RecordingDataset(torch.utils.data.Dataset):
+    """A dataset that notes each index read (with no loader worker, the loop takes exactly what is read)."""
+
+    def __init__(self, dataset, read: List[int]):
+        self.dataset, self.read = dataset, read
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        self.read.append(index)
+        return self.dataset[index]
+
+
+def test_a_resumed_peer_reads_its_data_on_from_where_its_checkpoint_stood(tmp_path):
+    """The checkpoint records how far the loop has read; the resumed loop reads the samples that came next in the
+    same order (across pass boundaries: 3 epochs read more than twice the 20 samples), not the first pass again."""
+    read: List[int] = []
+    task = dataclasses.replace(mlp_task(), build_train_dataset=lambda: RecordingDataset(SyntheticDataset(20), read))
+    assert make_rig(tmp_path, task, max_epochs=2, checkpoint_every_epochs=2).trainer.run() == "max_epochs"
+    taken = len(read)
+    checkpoint = CheckpointStore(tmp_path / "ckpt").load_latest()
+    assert checkpoint.state["data"] == {"seed": 0, "samples_read": taken}
+
+    read.clear()
+    assert make_rig(tmp_path, task, resume=True, max_epochs=3).trainer.run() == "max_epochs"
+    stream = list(itertools.islice(iter(DataOrder(20, seed=0)), taken + len(read)))
+    assert taken + len(read) > 2 * 20 and read == stream[taken:]
