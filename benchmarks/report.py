@@ -53,7 +53,11 @@ def local_overhead(doc: dict) -> str:
             f"{_f(ratio['monitoring_on_over_off']['max'], 2)}) | "
             f"daemon ≥ 0.97: {'yes' if goals['daemon_meets'] else 'no'}; "
             f"monitoring ≤ 2%: {'yes' if goals['monitoring_meets'] else 'no'} |")
-    return (f"samples/s are medians over {r['rounds']} interleaved rounds ({r['task']}, batch {r['batch_size']}, "
+    measured = [row for row in r["devices"].values() if not row.get("skipped")]
+    tasks = sorted({row.get("task", r["task"]) for row in measured}) or [r["task"]]
+    options = "".join(f", {name} {value}" for name, value in (r.get("task_options") or {}).items())
+    return (f"samples/s are medians over {r['rounds']} interleaved rounds ({', '.join(tasks)}{options}, "
+            f"batch {r['batch_size']}, "
             f"{r['data_workers']} data workers, {r['torch_threads']} torch threads); ratios are medians of per-round "
             f"ratios (min–max in brackets).\n\n" + "\n".join(lines))
 
@@ -196,14 +200,16 @@ def straggler(doc: dict) -> str:
 
 def main() -> int:
     for name in ORDER:
-        path = common.RESULTS_DIR / f"{name}.json"
-        if not path.exists():
+        main_run = common.RESULTS_DIR / f"{name}.json"
+        if not main_run.exists():
             print(f"## {name}\n\nNo results yet: run `python -m benchmarks.{name} --quick`.\n")
-            continue
-        doc = json.loads(path.read_text())
-        print(f"## {name}\n\n{header(doc)}\n\n{globals()[name](doc)}\n\nSummary line: `{doc['summary']}`\n")
-        if doc["notes"]:
-            print("Notes: " + " ".join(f"{n.rstrip('.')}." for n in doc["notes"]) + "\n")
+        # then the runs written beside it with --output <name>-<variant>.json (another task, another machine)
+        for path in [main_run] * main_run.exists() + sorted(common.RESULTS_DIR.glob(f"{name}-*.json")):
+            title = f"{name} ({path.stem.removeprefix(name + '-')})" if path != main_run else name
+            doc = json.loads(path.read_text())
+            print(f"## {title}\n\n{header(doc)}\n\n{globals()[name](doc)}\n\nSummary line: `{doc['summary']}`\n")
+            if doc["notes"]:
+                print("Notes: " + " ".join(f"{n.rstrip('.')}." for n in doc["notes"]) + "\n")
     return 0
 
 

@@ -106,10 +106,13 @@ class Trainer:
         self.precision = precision or MixedPrecision("fp32", device, model.parameters())
         self.faults = faults or FaultInjector()  # tests only (peer/testing/faults.py)
         self.pauser = pauser  # None: nothing can pause this loop
-        # GPU kernels run asynchronously: without a synchronize at phase boundaries their time would land
-        # in whichever phase waits next. Only on CUDA, and only when the metrics are exported.
+        # GPU kernels run asynchronously: without a synchronize where the category of the work changes, their
+        # time would land in whichever phase waits next (the optimizer's kernels in the next step's h2d, counted
+        # as preprocessing, before the synchronize after `optimizer`). Only there: between forward and backward,
+        # both compute, a synchronize would only stall the GPU's queue. Only on CUDA, and only when the metrics
+        # are exported.
         measure_gpu = device.type == "cuda" and config.monitoring.metrics_port != "off"
-        self._phase_boundary: Callable[[], None] = torch.cuda.synchronize if measure_gpu else (lambda: None)
+        self._category_boundary: Callable[[], None] = torch.cuda.synchronize if measure_gpu else (lambda: None)
         self._nonfinite_streak = 0
         self._reset_from_swarm = False  # whether this streak of non-finite losses already took the swarm's state
         self._epoch_finished = 0  # the last epoch the loop validated and reported
@@ -247,15 +250,13 @@ class Trainer:
         self.data_position.samples_read += self.batch_size
         with timer.phase("h2d"):
             batch = move_to(batch, self.device)
-            self._phase_boundary()
-        with timer.phase("forward"):
+            self._category_boundary()
+        with timer.phase("forward"):  # on a GPU: queueing its kernels; they run on into backward's time
             with self.precision.autocast():
                 loss = self.faults.loss(self.task.loss_fn(self.model, batch))
-            self._phase_boundary()
         with timer.phase("backward"):
             self.precision.backward(loss)
-            self._phase_boundary()
-        loss_value = float(loss.detach())
+            loss_value = float(loss.detach())  # waits for the GPU's forward and backward
         if not math.isfinite(loss_value):
             # never feed a non-finite gradient to the swarm: drop this batch and go on
             self.optimizer.zero_grad()
@@ -265,6 +266,7 @@ class Trainer:
         with timer.phase("optimizer"):
             stepped = self.precision.step(lambda: self.optimizer.step(batch_size=self.batch_size))
             self.optimizer.zero_grad()
+            self._category_boundary()
         if not stepped:  # the scaler has lowered its scale for the next batch; this one was never counted
             self.summary.overflow_batches += 1
             self._on_skipped_batch(f"fp16 gradients overflowed (loss scale now {self.precision.scale:g})", warn=False)

@@ -2,7 +2,7 @@
 
 On CUDA, loaders put batches in pinned (page-locked) host memory and the copy to the device is
 non-blocking, so it overlaps with the work queued before it; the loop's `h2d` phase stays honest because
-the loop synchronizes at phase boundaries when it times them (peer/runtime/trainer.py)."""
+the loop synchronizes after it when it times the phases (peer/runtime/trainer.py)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
