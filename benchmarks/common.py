@@ -21,6 +21,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
@@ -134,7 +135,7 @@ class Run:
         document = {
             "benchmark": self.name,
             "mode": self.mode,
-            "command": " ".join([f"python -m benchmarks.{self.name}", *sys.argv[1:]]),
+            "command": f"python -m benchmarks.{self.name} {shlex.join(sys.argv[1:])}".rstrip(),
             "hardware": self.hardware,
             "started_at": self.started_at,
             "finished_at": utc_now(),
@@ -218,7 +219,11 @@ def kill_session(process: subprocess.Popen, wait_seconds: float = 10.0) -> None:
         pass
 
 
-def stdlib_text_corpus(directory: Path, max_bytes: int) -> Path:
+CORPUS_BYTES = 4 * 1024 * 1024
+"""The text --task hf-causal-lm reads in a benchmark that names none: as much of the stdlib's sources as bytelm."""
+
+
+def stdlib_text_corpus(directory: Path, max_bytes: int = CORPUS_BYTES) -> Path:
     """Up to `max_bytes` of the standard library's sources, as .txt files in `directory`: local text for
     --task hf-causal-lm that needs no download (the files bytelm reads, in its order)."""
     from peer.tasks.bytelm import source_paths, stdlib_root

@@ -69,8 +69,6 @@ WAYS = ("plain", "daemon", "daemon_monitoring_off", "hivemind")
 DAEMON_GOAL, MONITORING_GOAL = 0.97, 0.02
 HUGE_TARGET = 10**9
 CUDA_TASK = "benchmarks.local_overhead:make_cuda_task"
-CORPUS_BYTES = 4 * 1024 * 1024
-"""Text hf-causal-lm reads when no data=... is given: as much as the bytelm task reads."""
 
 
 def make_cuda_task():
@@ -300,11 +298,11 @@ def measure_device(run: common.Run, device: str, precision: str, task: str, args
 
 def task_flags(task: str, settings: dict, tmp: Path) -> Dict[str, str]:
     """--task-option flags, for the task that takes them: hf-causal-lm, which reads the stdlib's sources as text
-    unless data=... names other files."""
+    unless data=... names other files. (main refuses them for a run without that task.)"""
     if task != "hf-causal-lm":
         return {}
     flags = dict(settings["task_options"])
-    flags.setdefault("data", str(common.stdlib_text_corpus(tmp / "corpus", CORPUS_BYTES)))
+    flags.setdefault("data", str(common.stdlib_text_corpus(tmp / "corpus")))
     return flags
 
 
@@ -344,6 +342,9 @@ def main(argv=None) -> int:
         "warmup_steps": common.by_mode(mode, smoke=2, quick=3, full=5),
         "task_options": parse_task_options(args.task_option),
     }
+    if settings["task_options"] and "hf-causal-lm" not in (settings["task"], args.cuda_task):
+        p.error(f"--task-option: only --task or --cuda-task hf-causal-lm takes options, not {settings['task']} or "
+                f"{args.cuda_task}")
     import torch
 
     threads = args.torch_threads or common.by_mode(mode, smoke=1, quick=None, full=None)

@@ -34,6 +34,9 @@ Usage (from the repository root)::
     python -m benchmarks.scaling --quick     # bytelm-tiny, val loss 3.6, target batch 256
     python -m benchmarks.scaling             # bytelm, val loss 3.0, target batch 1024 (long)
     python -m benchmarks.scaling --smoke     # bytelm-tiny, 1 and 2 peers, loose target, no hiding runs; for tests
+    # a transformers model on one GPU shared by 1 then 2 peers (its text: the stdlib's sources):
+    python -m benchmarks.scaling --quick --task hf-causal-lm --peers 1,2 --skip-hiding --target-val-loss 3.0 \
+        --target-batch-size 2048 --peer-args "--device cuda --precision bf16 --model-config llama-20m --batch-size 64"
     # one GPU shared by 1 then 2 peers, in bf16:
     python -m benchmarks.scaling --peers 1,2 --skip-hiding --peer-args "--device cuda --precision bf16"
 
@@ -238,6 +241,8 @@ def main(argv=None) -> int:
     rows, hiding_rows = [], []
     with tempfile.TemporaryDirectory(prefix="swarmtrain-scaling-") as tmp:
         work = Path(tmp)
+        if settings["task"] == "hf-causal-lm" and "--data" not in settings["peer_args"]:  # nothing to download
+            base += ["--data", str(common.stdlib_text_corpus(work / "corpus"))]
         for repeat in range(settings["repeats"]):
             for peers in common.interleaved(peer_counts, repeat):
                 rows.append(asyncio.run(scaling_run(run, peers, repeat, settings, base, work)))
@@ -279,7 +284,8 @@ def main(argv=None) -> int:
     results = {**{k: v for k, v in settings.items()}, "scaling": rows, "speedup_vs_1": speedup, "hiding": hiding}
     times = {str(r["peers"]): r.get("time_to_target_seconds") for r in rows if r["repeat"] == 0}
     line = (f"{NAME} ({settings['task']}, val_loss <= {settings['target_val_loss']}, {len(cores)} cores, "
-            f"{share} per peer): time to target " + ", ".join(f"N={k}: {v}s" for k, v in times.items())
+            f"{share} per peer): time to target "
+            + ", ".join(f"N={k}: " + ("not reached" if v is None else f"{v}s") for k, v in times.items())
             + "; speedup vs 1 peer " + ", ".join(f"N={k}: {common.fmt_ratio(v)}" for k, v in speedup.items())
             + (f"; delay-updates hiding ratio {common.fmt_ratio(hiding.get('hiding_ratio'))}"
                f" (blocking {common.fmt_ratio(hiding.get('blocking_ratio'))})" if not hiding["skipped"] else ""))

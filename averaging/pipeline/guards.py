@@ -22,7 +22,7 @@ def all_finite(tensors: Iterable[Optional[torch.Tensor]]) -> bool:
     with torch.no_grad():
         groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
         for tensor in tensors:
-            if tensor is not None:
+            if tensor is not None and tensor.numel():  # an empty tensor holds nothing (and has no max norm)
                 groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
         return all(_group_finite(group) for group in groups.values())
 

@@ -10,6 +10,7 @@ empty (without --force), or a task that cannot be built here.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ def export(ctx: click.Context, out: Path, force: bool, **params: Any) -> None:
 
 
 def run_export(checkpoint_dir: Path, out: Path, force: bool, task_timeout_seconds: float) -> int:
-    checkpoint_dir, out = Path(checkpoint_dir).absolute(), Path(out).absolute()
+    # `..` collapsed (links kept: a link as --out is refused), so that `--out ckpt/..` is seen to hold the checkpoints
+    checkpoint_dir, out = (Path(os.path.normpath(Path(path).absolute())) for path in (checkpoint_dir, out))
     try:
         check_out(out, checkpoint_dir, force)
     except ValueError as e:

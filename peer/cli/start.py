@@ -188,11 +188,12 @@ def task_options_hint(config: PeerConfig) -> List[Tuple[str, str]]:
     options = config.task
     if config.training.task != HF_CAUSAL_LM:
         return []
-    model = options.model if options.model is not None or options.init_from is None else \
-        str(options.init_from / "config.json")  # the run's model is the --init-from directory's
     hint = []
-    if model is not None:
+    if options.model is not None:
+        model = options.model
         hint.append(("--model-config", model if model in BUILTIN_MODEL_CONFIGS else f"<a copy of {model}>"))
+    if options.init_from is not None:  # every peer starts from those weights (its digest is in the manifest)
+        hint.append(("--init-from", f"<a copy of {options.init_from}>"))
     if options.tokenizer is not None:
         hint.append(("--tokenizer", f"<a copy of {options.tokenizer}>"))
     if options.seq_len is not None:

@@ -184,14 +184,15 @@ class PeerBuilder:
         store = CheckpointStore(config.checkpoint.checkpoint_dir, keep=config.checkpoint.keep_checkpoints)
         torch.manual_seed(seed_from_run_id(config.training.run_id))
         where = f"--task {task.name}"
-        model = call_task(where, "build_model()", task.build_model).to(device)
-        train_set = call_task(where, "build_train_dataset()", task.build_train_dataset)
-        val_set = call_task(where, "build_val_dataset()", task.build_val_dataset)
         batch_size = config.training.batch_size or task.batch_size
         timeout = config.training.task_timeout_seconds
         averaging = config.averaging
         rank = averaging.powersgd_rank if STRATEGIES[averaging.strategy].uses("powersgd_rank") else None
-        try:  # a dataset that hangs is found here, at the first batch, not as a silent stall later
+        try:  # a task whose parts fail to build is bad input (hf-causal-lm: data it cannot read), in one line
+            model = call_task(where, "build_model()", task.build_model).to(device)
+            train_set = call_task(where, "build_train_dataset()", task.build_train_dataset)
+            val_set = call_task(where, "build_val_dataset()", task.build_val_dataset)
+            # a dataset that hangs is found here, at the first batch, not as a silent stall later
             run_within(timeout, lambda: check_task(
                 task, model, train_set, val_set, batch_size, device, averaging.average_opt_statistics, rank,
             ), TaskContractError(f"{where}: reading its first batch and computing its loss took longer than "

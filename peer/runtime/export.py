@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pydantic
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save as save_safetensors
 
 from peer.checkpoint.files import describe, fsync_directory, remove_quietly, write_synced
@@ -66,6 +67,15 @@ def rebuild_model(checkpoint: LoadedCheckpoint, task_timeout_seconds: float) -> 
         model = call_task(where, "build_model()", task.build_model)
     except TaskLoadError as e:  # TaskContractError too: build_model() raised
         raise BadInput(f"--checkpoint-dir: the {where} cannot be built here: {e}") from e
+    # checkpoints of before they were recorded hold none; the starting weights are overwritten, so they may differ
+    recorded = {option: digest for option, digest in (state.get("task_digests") or {}).items() if option != "init_from"}
+    changed = sorted(option for option, digest in recorded.items() if task.shared_digests.get(option) != digest)
+    if changed:
+        files = ", ".join(f"{option} (digest {recorded[option]} then, {task.shared_digests.get(option)} now)"
+                          for option in changed)
+        raise BadInput(f"--checkpoint-dir: the files the {where} names changed since it was written: {files}; "
+                       f"the export would describe another model than the one trained: restore them "
+                       f"(task_options in the checkpoint names them)")
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:
@@ -97,7 +107,7 @@ def export_into(out: Path, replace: bool, task: Task, model: torch.nn.Module,
             write_safetensors_export(temp, model, checkpoint, task)
         _sync_tree(temp)
         _install(temp, out, replace)
-    except (OSError, TaskLoadError) as e:
+    except (OSError, TaskLoadError, SafetensorError) as e:  # a full disk; a task's exporter; weights it cannot hold
         remove_quietly(temp)
         raise ExportFailed(f"cannot write --out {out}: {describe(e)}; nothing was written there") from e
     except BaseException:

@@ -47,7 +47,7 @@ POLL_SECONDS = 0.5
 
 _ADAPTIVE_CODEC_SETTINGS = ("adaptive_compression_threshold", "adaptive_large_codec")
 
-TASK_DIGESTS = {"model_config": "model configuration", "tokenizer": "tokenizer"}
+TASK_DIGESTS = {"model_config": "model configuration", "tokenizer": "tokenizer", "init_from": "starting point"}
 """The settings a task shares as digests (Task.shared_digests), by the option that sets each, and what it is."""
 
 

@@ -14,14 +14,16 @@ import torch
 from averaging.api import LoopOptimizer
 from peer.checkpoint.store import CheckpointStore, LoadedCheckpoint
 from peer.config import PeerConfig
+from peer.exit_codes import BadInput
 from peer.runtime.precision import MixedPrecision
+from peer.tasks.base import Task
 from peer.tasks.order import DataPosition
 from peer.telemetry.summary import PeerSummary
 
 logger = logging.getLogger(__name__)
 
 
-def training_state(config: PeerConfig, task_name: str, model: torch.nn.Module, optimizer: LoopOptimizer,
+def training_state(config: PeerConfig, task: Task, model: torch.nn.Module, optimizer: LoopOptimizer,
                    summary: PeerSummary, precision: MixedPrecision, data_position: DataPosition) -> dict:
     """Everything a checkpoint holds (the optimizer's background updates must have landed)."""
     scheduler = optimizer.scheduler
@@ -35,11 +37,13 @@ def training_state(config: PeerConfig, task_name: str, model: torch.nn.Module, o
         "samples": summary.samples,
         "data": data_position.state_dict(),  # the order this peer reads its data in, and how far it has read
         "run_id": config.training.run_id,
-        "task": task_name,
+        "task": task.name,
         "task_spec": config.training.task,  # the --task `peer export` rebuilds (a module:function's name differs)
         "swarm_hash": config.swarm_hash(),
         # what `peer export` rebuilds the task from: load_task(task, options=TaskOptions(**task_options))
         "task_options": config.task.model_dump(mode="json"),
+        # and what those options' files held then (hf-causal-lm's configuration): export refuses files changed since
+        "task_digests": dict(task.shared_digests),
     }
 
 
@@ -58,7 +62,14 @@ def restore_model(store: CheckpointStore, config: PeerConfig, task_name: str,
         )
     if state.get("swarm_hash") != config.swarm_hash():
         logger.warning(f"{checkpoint.path} was written with different swarm settings; resuming anyway")
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:  # torch lists every mismatched tensor, over many lines: name the first
+        details = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        first = details[0].split(". ")[0] if details else str(e).splitlines()[0]
+        raise BadInput(f"--checkpoint-dir {config.checkpoint.checkpoint_dir}: {checkpoint.path.name} holds weights "
+                       f"of another model than --task {task_name} builds with these options ({first}); start with "
+                       f"the options it was written with (--model-config...), or use another --checkpoint-dir") from e
     return checkpoint
 
 

@@ -133,7 +133,7 @@ class Trainer:
         try:
             with self.timer.phase("checkpoint"):
                 self.optimizer.wait_for_background_updates()
-                state = training_state(self.config, self.task.name, self.model, self.optimizer, self.summary,
+                state = training_state(self.config, self.task, self.model, self.optimizer, self.summary,
                                        self.precision, self.data_position)
                 path = self.store.save(state, global_epoch=epoch)
         except CheckpointError as e:

@@ -24,7 +24,14 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from peer.task_names import TaskLoadError
 from peer.task_options import DEFAULT_SEQ_LEN, HF_CAUSAL_LM, TaskOptions, data_files, data_kind
 from peer.tasks.base import Task
-from peer.tasks.hf_models import build_model, check_causal_lm, config_digest, load_model_config, model_config_name
+from peer.tasks.hf_models import (
+    build_model,
+    check_causal_lm,
+    config_digest,
+    load_model_config,
+    model_config_name,
+    starting_point_digest,
+)
 from peer.tasks.hf_text import (
     MAX_VAL_SEQUENCES,
     VAL_FRACTION,
@@ -151,6 +158,7 @@ def make_hf_causal_lm_task(options: TaskOptions) -> Task:
         build_scheduler=_build_scheduler,
         batch_size=BATCH_SIZE,
         export_model=text.export,
-        shared_digests={"model_config": config_digest(config), "tokenizer": tokenizer_digest(tokenizer)},
+        shared_digests={"model_config": config_digest(config), "tokenizer": tokenizer_digest(tokenizer),
+                        "init_from": starting_point_digest(options.init_from)},
     )
 

@@ -85,6 +85,26 @@ def config_digest(config: PretrainedConfig) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+SEEDED = "seeded"
+"""The starting point of a model initialized from the run's seed, as the manifest names it."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def starting_point_digest(init_from: Optional[Path]) -> str:
+    """What the model starts from, the same on every peer that starts alike: SEEDED, or a digest of the weight
+    files of --init-from (peers that start from copies of one directory agree, and a peer that started from
+    other weights would be averaged with them)."""
+    if init_from is None:
+        return SEEDED
+    digest = hashlib.sha256()
+    for path in sorted(path for path in Path(init_from).iterdir() if path.suffix in WEIGHT_SUFFIXES):
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as file:
+            for chunk in iter(lambda: file.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def check_causal_lm(config: PretrainedConfig, name: str) -> None:
     """:raises TaskLoadError: transformers has no causal LM for this configuration (a BERT config, say)"""
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:

@@ -1,5 +1,6 @@
-"""hf-causal-lm's model configuration and tokenizer are part of the run manifest: a peer with another one is
-refused (real DHTs, in process), even where the model's parameter layout alone would not tell them apart."""
+"""hf-causal-lm's model configuration, tokenizer and starting weights are part of the run manifest: a peer with
+another one is refused (real DHTs, in process), even where the model's parameter layout alone would not tell them
+apart."""
 from __future__ import annotations
 
 import time
@@ -64,6 +65,17 @@ def test_another_configuration_or_tokenizer_is_named_by_its_flag(tmp_path, confi
     wider = hf_manifest(tmp_path, tiny_config(tmp_path / "wider", hidden_size=64))
     lines = differences(wider, theirs)
     assert lines[0].startswith("--model-config: ") and len(lines) == 2
+
+    # a run that starts from a model's weights: a peer that starts from the run's seed would be averaged with them
+    task = load_task("hf-causal-lm", options=load_config(flags={
+        "task": "hf-causal-lm", "model_config": str(swarms), "data": str(tmp_path / "corpus")}).task)
+    torch.manual_seed(1)
+    task.build_model().save_pretrained(tmp_path / "start")
+    tuned = hf_manifest(tmp_path, swarms, init_from=str(tmp_path / "start"))
+    lines = differences(theirs, tuned)
+    assert lines[0].startswith("--init-from: this peer's starting point differs from the swarm's (digest seeded "
+                               f"here, {tuned.settings['init_from']} in the swarm)") and len(lines) == 2
+    assert differences(hf_manifest(tmp_path, swarms, init_from=str(tmp_path / "start")), tuned) == []
 
 
 @pytest.mark.timeout(120)

@@ -183,6 +183,7 @@ async def test_two_peers_started_with_the_printed_join_command_read_different_sa
 
         seeds = [read_summary(tmp_path / f"{peer.name}.json")["data_seed"] for peer in (first, second)]
         assert seeds[0] != seeds[1], seeds
+        # the orders those seeds give: a peer reads exactly its order (tests/unit/test_trainer.py's resume test)
         samples = len(load_task("bytelm-tiny").build_train_dataset())
         orders = [list(itertools.islice(iter(DataOrder(samples, seed)), 64)) for seed in seeds]
         assert len(set(orders[0]) & set(orders[1])) < 8, orders  # two draws of 64 from thousands barely meet

@@ -213,9 +213,14 @@ def test_both_formats_are_one_sequence_for_ordering_loading_and_pruning(tmp_path
 
     newer = store.save(small_state(4), global_epoch=4)  # keep=3: the oldest earlier-format file goes
     assert store.list() == [old_second, new, newer] and not old_first.exists()
-    truncate(old_second)  # a damaged file of the earlier format is still found out
     newest_old = earlier_format_file(tmp_path, 9, 9, small_state(9))  # a later sequence wins, whatever its format
     assert store.load_latest().path == newest_old
+    truncate(newest_old)  # a damaged file of the earlier format is still found out, and the next newest used
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="peer.checkpoint.store"):
+        assert store.load_latest().path == newer
+    assert warnings_about(caplog, newest_old)
+    earlier_format_file(tmp_path, 9, 9, small_state(9))  # whole again
     store.save(small_state(10), global_epoch=10)
     assert [p.name for p in store.list()] == [newer.name, newest_old.name, "checkpoint-000010-epoch000010"]
 

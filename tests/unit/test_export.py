@@ -267,3 +267,29 @@ def test_an_hf_causal_lm_checkpoint_exports_what_from_pretrained_loads(tmp_path,
     tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(exported(tokens).logits, model.eval()(tokens).logits, atol=1e-5, rtol=0)
+
+
+def test_an_hf_causal_lm_configuration_changed_since_the_checkpoint_is_refused(tmp_path, capsys):
+    """A config.json edited after training in a way no tensor shape shows (the rotary base) would be exported as
+    the model's configuration: export compares the digests the checkpoint recorded and refuses in one line."""
+    transformers = pytest.importorskip("transformers")
+    from peer.tasks import load_task
+    from peer.tasks.options import TaskOptions
+
+    settings = dict(vocab_size=256, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=2)
+    transformers.LlamaConfig(**settings).save_pretrained(tmp_path / "config")
+    options = TaskOptions(model=str(tmp_path / "config"))
+    task = load_task("hf-causal-lm", options=options)
+    torch.manual_seed(seed_from_run_id(RUN_ID))
+    state = {"model": task.build_model().state_dict(), "run_id": RUN_ID, "task": task.name,
+             "task_spec": "hf-causal-lm", "task_options": options.model_dump(mode="json"),
+             "task_digests": dict(task.shared_digests)}
+    CheckpointStore(tmp_path / "ckpt").save(state, global_epoch=3)
+    transformers.LlamaConfig(**settings, rope_theta=500.0).save_pretrained(tmp_path / "config")
+
+    code, _, stderr = export(capsys, "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"))
+
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "model_config (digest" in stderr and "changed since it was written" in stderr
+    assert not (tmp_path / "out").exists()

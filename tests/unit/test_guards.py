@@ -17,8 +17,9 @@ def test_one_non_finite_value_in_any_tensor_is_found(bad):
     assert not all_finite(tensors)
 
 
-def test_no_tensors_or_only_missing_gradients_count_as_finite():
-    assert all_finite([]) and all_finite([None, None])
+def test_no_tensors_missing_gradients_or_empty_tensors_count_as_finite():
+    assert all_finite([]) and all_finite([None, None]) and all_finite([torch.empty(0), torch.ones(2)])
+    assert not all_finite([torch.empty(0), torch.tensor([math.nan])])
 
 
 def test_integer_and_half_precision_tensors_are_checked_alike():

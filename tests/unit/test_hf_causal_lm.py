@@ -218,12 +218,15 @@ def test_every_checkpoint_records_the_task_options(tmp_path):
                                 "seq_len": 64, "model_config": "llama-1m"})
     model = torch.nn.Linear(2, 2)
     optimizer = SimpleNamespace(scheduler=None, local_epoch=3, state_dict=lambda: {})
-    state = training_state(config, "hf-causal-lm", model, optimizer, PeerSummary(run_id="r", task="hf-causal-lm"),
+    task = load_task("hf-causal-lm", options=config.task)
+    state = training_state(config, task, model, optimizer, PeerSummary(run_id="r", task="hf-causal-lm"),
                            MixedPrecision("fp32", torch.device("cpu"), model.parameters()),
                            SimpleNamespace(state_dict=lambda: {}))
     recorded = TaskOptions(**json.loads(json.dumps(state["task_options"])))  # what `peer export` rebuilds from
     assert recorded == TaskOptions(model="llama-1m", data=tmp_path / "corpus", seq_len=64)
     assert Path(state["task_options"]["data"]).is_absolute()
+    # and what the files behind them held, which export compares (the starting point: the run's seed)
+    assert state["task_digests"] == dict(task.shared_digests) and state["task_digests"]["init_from"] == "seeded"
 
 
 # ---------------------------------------------------------------------------------- bad input, one line
@@ -292,10 +295,15 @@ def run_start(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.Compl
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", ["vocabulary", "extra"])
+@pytest.mark.parametrize("case", ["vocabulary", "extra", "records"])
 def test_peer_start_exits_2_with_one_line(tmp_path, case):
     corpus = write_corpus(tmp_path / "corpus", files=1, paragraphs=40)
-    if case == "vocabulary":
+    if case == "records":  # read when the datasets are built: a task's data it cannot read is bad input too
+        (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"body": "no text here"}) + "\n" for _ in range(50)))
+        result = run_start(tmp_path, "--task", "hf-causal-lm", "--data", str(tmp_path / "rows.jsonl"),
+                           "--model-config", str(tiny_config(tmp_path / "tiny")))
+        expected = "a json record has no 'text' field holding a string (its fields: body)"
+    elif case == "vocabulary":
         tiny_config(tmp_path / "wide", vocab_size=4096)
         result = run_start(tmp_path, "--task", "hf-causal-lm", "--data", str(corpus), "--model-config",
                            str(tmp_path / "wide"))
@@ -326,3 +334,9 @@ def test_the_join_command_carries_the_options_every_peer_must_share(tmp_path):
                                "tokenizer": str(tmp_path / "tokenizer.json")})
     assert (f"--model-config <a copy of {config}> --tokenizer <a copy of {tmp_path / 'tokenizer.json'}> --data "
             f"<your own text files>") in join_hint(local, [address], "ab" * 16)
+    # a run that starts from a model's weights: every joiner starts from a copy of them (the manifest checks it)
+    AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(config)).save_pretrained(tmp_path / "start")
+    tuned = load_config(flags={"task": "hf-causal-lm", "data": str(corpus), "init_from": str(tmp_path / "start")})
+    hint = join_hint(tuned, [address], "ab" * 16)
+    assert f"--init-from <a copy of {tmp_path / 'start'}> --data <your own text files>" in hint
+    assert "--model-config" not in hint  # the directory's configuration is the model's

@@ -27,6 +27,7 @@ from averaging.pipeline.update_check import UpdateCheck, UpdateCheckRule
 from monitoring import BottleneckClassifier, HealthCheck, PeerMetrics, PhaseTimer
 from peer.checkpoint.store import CheckpointStore
 from peer.config import PeerConfig, load_config
+from peer.exit_codes import BadInput
 from peer.process.signals import StopRequest
 from peer.runtime.precision import MixedPrecision
 from peer.runtime.resume import restore_model, restore_optimizer
@@ -598,6 +599,20 @@ def test_a_checkpoint_of_another_run_or_task_is_refused(tmp_path, field, value):
 
     assert repr(value) in str(error.value)
     assert same_tensors(parameters_of(model), before)  # not a single weight loaded
+
+
+def test_a_checkpoint_of_another_model_of_the_same_task_is_refused_in_one_line(tmp_path):
+    """Restarted with options that build another model (hf-causal-lm with another --model-config): one line naming
+    the first mismatched tensor and --checkpoint-dir, exit 2, not torch's list of every mismatch."""
+    rig = make_rig(tmp_path, max_epochs=1, checkpoint_every_epochs=1)
+    assert rig.trainer.run() == "max_epochs"
+    wider = dataclasses.replace(mlp_task(), build_model=lambda: nn.Sequential(
+        nn.Linear(FEATURES, 16), nn.ReLU(), nn.Linear(16, 1)))
+
+    with pytest.raises(BadInput, match="use another --checkpoint-dir") as error:
+        restore_model(rig.store, make_config(tmp_path, wider), wider.name, wider.build_model())
+
+    assert "\n" not in str(error.value) and "size mismatch for 0.weight" in str(error.value)
 
 
 # --- the round tally -----------------------------------------------------------------------------------------------
