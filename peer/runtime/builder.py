@@ -199,7 +199,7 @@ class PeerBuilder:
                                  f"--task-timeout-seconds {timeout:g}; check the dataset's __getitem__ and the loss"))
         except TaskContractError as e:
             raise BadInput(str(e)) from e
-        checkpoint = restore_model(store, config, task.name, model)
+        checkpoint = restore_model(store, config, task.name, model, task.shared_digests)
         # before the optimizer: a mismatched peer must never count toward the swarm
         self._join_run(dht, task, model)
         payload_bytes = round_payload_bytes(config.averaging, list(model.parameters()),

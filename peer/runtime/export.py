@@ -28,6 +28,7 @@ from peer.checkpoint.files import describe, fsync_directory, remove_quietly, wri
 from peer.checkpoint.store import LoadedCheckpoint
 from peer.checkpoint.weights import SAFETENSORS_METADATA, tied_names, with_every_name
 from peer.exit_codes import BadInput
+from peer.runtime.resume import changed_task_files
 from peer.runtime.trainer import seed_from_run_id
 from peer.tasks import Task, TaskLoadError, load_task
 from peer.tasks.contract import call_task
@@ -67,13 +68,9 @@ def rebuild_model(checkpoint: LoadedCheckpoint, task_timeout_seconds: float) -> 
         model = call_task(where, "build_model()", task.build_model)
     except TaskLoadError as e:  # TaskContractError too: build_model() raised
         raise BadInput(f"--checkpoint-dir: the {where} cannot be built here: {e}") from e
-    # checkpoints of before they were recorded hold none; the starting weights are overwritten, so they may differ
-    recorded = {option: digest for option, digest in (state.get("task_digests") or {}).items() if option != "init_from"}
-    changed = sorted(option for option, digest in recorded.items() if task.shared_digests.get(option) != digest)
+    changed = changed_task_files(state, task.shared_digests)
     if changed:
-        files = ", ".join(f"{option} (digest {recorded[option]} then, {task.shared_digests.get(option)} now)"
-                          for option in changed)
-        raise BadInput(f"--checkpoint-dir: the files the {where} names changed since it was written: {files}; "
+        raise BadInput(f"--checkpoint-dir: the files the {where} names changed since it was written: {changed}; "
                        f"the export would describe another model than the one trained: restore them "
                        f"(task_options in the checkpoint names them)")
     try:

@@ -7,7 +7,7 @@ another run or task is refused, since mixing them would silently train the wrong
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -47,9 +47,21 @@ def training_state(config: PeerConfig, task: Task, model: torch.nn.Module, optim
     }
 
 
-def restore_model(store: CheckpointStore, config: PeerConfig, task_name: str,
-                  model: torch.nn.Module) -> Optional[LoadedCheckpoint]:
-    """Load the newest readable checkpoint's weights into model; the checkpoint, or None if there is none."""
+def changed_task_files(state: dict, shared_digests: Mapping[str, str]) -> str:
+    """What the files the task's options name (hf-causal-lm's configuration, tokenizer) held when the checkpoint
+    was written, where it differs from now: '' when nothing does. The starting weights (--init-from) are left
+    out: the checkpoint's weights replace them. A checkpoint of before they were recorded holds none."""
+    recorded = {option: digest for option, digest in (state.get("task_digests") or {}).items()
+                if option != "init_from"}
+    return ", ".join(f"{option} (digest {digest} then, {shared_digests.get(option)} now)"
+                     for option, digest in sorted(recorded.items()) if shared_digests.get(option) != digest)
+
+
+def restore_model(store: CheckpointStore, config: PeerConfig, task_name: str, model: torch.nn.Module,
+                  shared_digests: Mapping[str, str] = {}) -> Optional[LoadedCheckpoint]:
+    """Load the newest readable checkpoint's weights into model; the checkpoint, or None if there is none.
+
+    :param shared_digests: the task's (Task.shared_digests): a checkpoint trained with other files is refused"""
     checkpoint = store.load_latest()
     if checkpoint is None:
         return None
@@ -60,6 +72,11 @@ def restore_model(store: CheckpointStore, config: PeerConfig, task_name: str,
             f"(task {state.get('task')!r}), not run {config.training.run_id!r} (task {task_name!r}); "
             f"use another --checkpoint-dir"
         )
+    changed = changed_task_files(state, shared_digests)
+    if changed:  # the same layout, another model (a configuration's rotary base): it would train on silently
+        raise BadInput(f"--checkpoint-dir {config.checkpoint.checkpoint_dir}: {checkpoint.path.name} was trained "
+                       f"with other files than the task's options name now: {changed}; start with the files it "
+                       f"was written with (task_options in it names them), or use another --checkpoint-dir")
     if state.get("swarm_hash") != config.swarm_hash():
         logger.warning(f"{checkpoint.path} was written with different swarm settings; resuming anyway")
     try:

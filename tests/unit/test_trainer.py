@@ -615,6 +615,23 @@ def test_a_checkpoint_of_another_model_of_the_same_task_is_refused_in_one_line(t
     assert "\n" not in str(error.value) and "size mismatch for 0.weight" in str(error.value)
 
 
+def test_a_checkpoint_trained_with_other_task_files_is_refused_though_its_weights_fit(tmp_path):
+    """hf-causal-lm records digests of the files its options name; a config.json changed since, in a way no shape
+    shows (a rotary base), would train another model on these weights in silence: refused in one line. The
+    starting weights (--init-from) may differ: the checkpoint's weights replace them."""
+    digests = {"model_config": "aaaa", "tokenizer": "bbbb", "init_from": "seeded"}
+    task = dataclasses.replace(mlp_task(), shared_digests=digests)
+    rig = make_rig(tmp_path, task, max_epochs=1, checkpoint_every_epochs=1)
+    assert rig.trainer.run() == "max_epochs"
+    assert rig.store.load_latest().state["task_digests"] == digests
+
+    resumed = restore_model(rig.store, rig.config, task.name, task.build_model(), {**digests, "init_from": "cccc"})
+    assert resumed is not None  # other starting weights: resumed all the same
+    with pytest.raises(BadInput, match="use another --checkpoint-dir") as error:
+        restore_model(rig.store, rig.config, task.name, task.build_model(), {**digests, "model_config": "dddd"})
+    assert "\n" not in str(error.value) and "model_config (digest aaaa then, dddd now)" in str(error.value)
+
+
 # --- the round tally -----------------------------------------------------------------------------------------------
 
 
