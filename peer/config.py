@@ -27,7 +27,7 @@ from dht.config import DHTConfig
 from dht.files import InputFileError, read_input_text
 from monitoring.config import MonitoringConfig
 from peer.active_hours import parse_active_hours
-from peer.task_options import HF_CAUSAL_LM, TaskConfig, options_not_taken
+from peer.task_options import DATA_NEEDED, HF_CAUSAL_LM, TaskConfig, options_not_taken
 
 ENV_PREFIX = "PEER_"
 
@@ -181,8 +181,7 @@ class PeerConfig(BaseModel):
         if stray:
             raise ValueError(stray)
         if self.training.task == HF_CAUSAL_LM and self.task.data is None:
-            raise ValueError(f"--task {HF_CAUSAL_LM} needs --data: a local file, directory or glob of text, JSON "
-                             f"lines or Parquet files to train on")
+            raise ValueError(DATA_NEEDED)
         if self.dht.client_mode and not self.dht.initial_peers:
             raise ValueError(
                 "--client-mode needs --initial-peers: a client-mode peer accepts no connections, "

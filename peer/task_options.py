@@ -20,6 +20,9 @@ HF_CAUSAL_LM = "hf-causal-lm"
 
 BUILTIN_MODEL_CONFIGS = ("llama-1m", "llama-20m")
 """Named model configurations of hf-causal-lm (peer/tasks/hf_models.py defines them)."""
+DATA_NEEDED = (f"--task {HF_CAUSAL_LM} needs --data: a local file, directory or glob of text, JSON lines or Parquet "
+               f"files to train on")
+"""The line that refuses hf-causal-lm without data: at config load, and where a task built in code is read."""
 DEFAULT_MODEL_CONFIG = "llama-1m"
 DEFAULT_SEQ_LEN = 256
 

@@ -22,7 +22,7 @@ import transformers
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from peer.task_names import TaskLoadError
-from peer.task_options import DEFAULT_SEQ_LEN, HF_CAUSAL_LM, TaskOptions, data_files, data_kind
+from peer.task_options import DATA_NEEDED, DEFAULT_SEQ_LEN, HF_CAUSAL_LM, TaskOptions, data_files, data_kind
 from peer.tasks.base import Task
 from peer.tasks.hf_models import (
     build_model,
@@ -83,8 +83,7 @@ class CausalLMText:
         """Both splits, tokenized on first use."""
         if self._splits is None:
             if self.options.data is None:
-                raise ValueError(f"--task {HF_CAUSAL_LM} needs --data: a local file, directory or glob of text, "
-                                 f"JSON lines or Parquet files to train on")
+                raise ValueError(DATA_NEEDED)
             try:
                 files = data_files(self.options.data)
                 kind = data_kind(files)
