@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from averaging.registry import DEFAULT_STRATEGY, STRATEGIES, STRATEGY_NAMES, accepting
 
 CODECS = ("none", "fp16", "scaled-fp16", "uint8", "quantile8", "blockwise8", "int8", "int4", "topk", "adaptive")
-FEEDBACK_CODECS = ("int8", "int4", "topk")  # ours: their replies are dense fp16 (averaging/pipeline/error_feedback.py)
+FEEDBACK_CODECS = ("int8", "int4", "topk")  # ours, whose losses both legs of a round carry (pipeline/error_feedback.py)
 BITSANDBYTES_INSTALL = "pip install 'swarmtrain[bitsandbytes]'"
 AUTO = "auto"
 REFUSABLE = {
@@ -345,9 +345,11 @@ class AveragingConfig(BaseModel):
                 f"donor's digest); use --load-state-compression none"
             )
         if self.error_feedback == "on" and self.grad_compression not in FEEDBACK_CODECS:
+            lossless = self.grad_compression == "none"
+            why = "it loses nothing" if lossless else "error feedback is built for the codecs here"
             raise ValueError(
-                f"--error-feedback on needs --grad-compression int8, int4 or topk (got {self.grad_compression}: "
-                f"{'it loses nothing' if self.grad_compression == 'none' else 'its replies are lossy too'}); "
+                f"--error-feedback on needs --grad-compression int8, int4 or topk "
+                f"(got {self.grad_compression}: {why}); "
                 f"pick one of those codecs or use --error-feedback auto"
             )
         for setting, (says, way_out) in REFUSABLE.items():

@@ -7,9 +7,8 @@ from hivemind.proto import runtime_pb2
 from averaging.codecs import lowbit
 
 _CODEC_NAMES = {codec_id: f"SWARMTRAIN_{name.upper()}" for name, codec_id in lowbit.CODEC_IDS.items()}
-# each decodes any message of its id (settings are in the header); hivemind also encodes a reducer's replies with them
-_DECODERS = {"int8": lowbit.BlockwiseAbsmax(8, dense_replies=True),
-             "int4": lowbit.BlockwiseAbsmax(4, dense_replies=True), "topk": lowbit.TopK(dense_replies=True)}
+# each decodes any message of its id (its settings are in the message's header)
+_DECODERS = {"int8": lowbit.BlockwiseAbsmax(8), "int4": lowbit.BlockwiseAbsmax(4), "topk": lowbit.TopK()}
 
 
 def register_codecs() -> None:

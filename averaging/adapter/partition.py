@@ -31,16 +31,12 @@ class FeedbackPartContainer(TensorPartContainer):
                          return_deltas=False, **kwargs)
         self.carried = [residual.view(-1) for residual in carried]
         self.kept = [residual.clone() for residual in carried]  # a part left undelivered keeps its residual
-        self._extents = [(tensor.data_ptr(), tensor.element_size(), tensor.numel()) for tensor in tensors]
+        self._locate = PartLocator(tensors)
 
     def _slices(self, part: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(the carried residual, the kept residual) where `part` lies in the tensors."""
-        pointer = part.data_ptr()
-        for index, (base, size, numel) in enumerate(self._extents):
-            if base <= pointer < base + size * numel:
-                start, stop = (pointer - base) // size, (pointer - base) // size + part.numel()
-                return self.carried[index][start:stop], self.kept[index].view(-1)[start:stop]
-        raise ValueError("a part outside the tensors being averaged")
+        index, where = self._locate(part)
+        return self.carried[index][where], self.kept[index].view(-1)[where]
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         sent = self._input_parts_by_peer[peer_index][part_index][0]
@@ -58,6 +54,22 @@ class FeedbackPartContainer(TensorPartContainer):
             carried, _ = self._slices(sent)
             TensorPartContainer.register_processed_part(self, peer_index, part_index, sent - carried.to(sent.dtype))
             self.failed_size += sent.numel()
+
+
+class PartLocator:
+    """Where a part (a view of one of the tensors, as hivemind's container cuts them) lies: (tensor index, slice
+    of its flattened values)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self._extents = [(tensor.data_ptr(), tensor.element_size(), tensor.numel()) for tensor in tensors]
+
+    def __call__(self, part: torch.Tensor) -> Tuple[int, slice]:
+        pointer = part.data_ptr()
+        for index, (base, size, numel) in enumerate(self._extents):
+            if base <= pointer < base + size * numel:
+                start = (pointer - base) // size
+                return index, slice(start, start + part.numel())
+        raise ValueError("a part outside the tensors being averaged")
 
 
 class _Recording(CompressionBase):

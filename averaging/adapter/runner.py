@@ -7,7 +7,9 @@ that a digest of their state never matches (averaging/swarm/digests.py). Canonic
 serializes the average of each part once and sends those same bytes to every sender; the reducer itself takes
 the decoded bytes for its own part. Rounds that average parameters reply losslessly (a codec step on a
 parameter would be a step of noise on the model); rounds of gradients reply with the codec their senders used,
-as upstream does, so their payload is unchanged.
+so a reply weighs what a contribution weighs. Where that codec is the averager's own (ours, with its settings:
+top-k's fraction, say) the reducer encodes with it, and with error feedback it encodes the average plus its
+reply residual and keeps what the encoding lost (averaging/pipeline/error_feedback.py).
 
 The runner's reducer has a grace window (averaging/adapter/grace.py): a sender whose contribution to a part came
 too late still receives the part's average, and the reply's `weight` field, which upstream leaves unused in
@@ -25,12 +27,13 @@ from typing import AsyncIterator, Dict, Optional, Sequence, Set
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from averaging.adapter.grace import GracefulPartReducer
-from averaging.adapter.partition import FeedbackPartContainer
+from averaging.adapter.partition import FeedbackPartContainer, PartLocator
+from averaging.pipeline.error_feedback import message_with_feedback
 from averaging.pipeline.stragglers import GraceWindow
 
 logger = logging.getLogger(__name__)
@@ -49,13 +52,20 @@ class CanonicalAllReduceRunner(AllReduceRunner):
     :param lossless_replies: reply without compression whatever codec the senders used (parameter rounds)
     :param carried: error feedback's residuals, already added into `tensors` (a FeedbackPartContainer then
       keeps what the codec loses)
+    :param reply_carried: error feedback's reply residuals, shaped like `tensors`: each reply this peer encodes
+      carries the residual of its stretch, which is replaced by what that encoding lost
     :param grace: the grace window of this peer's reducer (None: wait for every sender, as upstream)
     """
 
     def __init__(self, *, tensors: Sequence[torch.Tensor], lossless_replies: bool = False,
-                 carried: Optional[Sequence[torch.Tensor]] = None, grace: Optional[GraceWindow] = None, **kwargs):
+                 carried: Optional[Sequence[torch.Tensor]] = None,
+                 reply_carried: Optional[Sequence[torch.Tensor]] = None, grace: Optional[GraceWindow] = None,
+                 **kwargs):
         super().__init__(tensors=tensors, **kwargs)
         self.lossless_replies = lossless_replies
+        self.codec: Optional[CompressionBase] = kwargs.get("compression")
+        self.reply_carried = None if reply_carried is None else [residual.view(-1) for residual in reply_carried]
+        self._locate = PartLocator(tensors)
         self.left_out_size = 0  # elements of this peer's contribution that reducers left out as late
         self.replied_after_seconds: Dict[str, float] = {}  # reducer (base58) -> when its last reply came
         self._started_at = time.monotonic()
@@ -100,10 +110,21 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         """The reply for a part: serialized on its first request, the same bytes for every later one."""
         reply = self._replies.get(part_index)
         if reply is None:
-            codec = LOSSLESS if self.lossless_replies else self._reply_codecs.get(part_index, LOSSLESS)
             reply = self._replies[part_index] = asyncio.get_event_loop().run_in_executor(
-                None, serialize_torch_tensor, averaged_part, codec)
+                None, self._encode_average, part_index, averaged_part)
         return await asyncio.shield(reply)  # one sender giving up must not cancel the others' reply
+
+    def _encode_average(self, part_index: int, averaged_part: torch.Tensor) -> runtime_pb2.Tensor:
+        codec_id = LOSSLESS if self.lossless_replies else self._reply_codecs.get(part_index, LOSSLESS)
+        if self.codec is None or getattr(self.codec, "compression_type", None) != codec_id:
+            return serialize_torch_tensor(averaged_part, codec_id)  # hivemind's codecs: one per id, no settings
+        if self.reply_carried is None:
+            return self.codec.compress(averaged_part, CompressionInfo.from_tensor(averaged_part))
+        index, where = self._locate(self.parts_for_local_averaging[part_index])
+        residual = self.reply_carried[index][where]
+        message, lost = message_with_feedback(averaged_part, residual, self.codec)
+        residual.copy_(lost)
+        return message
 
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id:

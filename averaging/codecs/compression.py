@@ -111,10 +111,11 @@ def powersgd_factors(
     return sent
 
 
-def reply_codec(codec: CompressionBase) -> CompressionBase:
-    """What a reducer's replies to a contribution sent with `codec` are encoded with: the same codec, except
-    for ours (averaging/codecs/lowbit.py), which reply in dense fp16."""
-    return Float16Compression() if isinstance(codec, (BlockwiseAbsmax, TopK)) else codec
+def reply_codec(codec: CompressionBase, tensors: str) -> CompressionBase:
+    """What a reducer's replies to contributions of `tensors` (a Payload's, averaging/registry.py) sent with `codec`
+    are encoded with: the average of parameters goes losslessly, any other in the codec its senders used
+    (averaging/adapter/runner.py)."""
+    return NoCompression() if tensors == STATE else codec
 
 
 def round_codec(config: AveragingConfig) -> str:
@@ -141,7 +142,7 @@ def round_payload_bytes(config: AveragingConfig, params: Sequence[torch.Tensor],
         sent = powersgd_factors(params, config.powersgd_rank)
     else:  # GRADIENTS: one tensor per parameter
         sent = params
-    return payload_bytes(sent, codec) + payload_bytes(sent, reply_codec(codec))
+    return payload_bytes(sent, codec) + payload_bytes(sent, reply_codec(codec, payload.tensors))
 
 
 def bytes_moved(round_payload: int, group_size: int, outcome: str) -> int:

@@ -13,11 +13,9 @@ values: ours use ids above them (CODEC_IDS), which averaging/adapter/ registers.
   bytes each), or with `value_bits=8` int8 values, blockwise as int8 above (5.06 bytes each);
   the rest are sent as zeros. At 1%, a ratio of 0.015 (0.0127 with int8 values).
 
-A reducer replies to each sender with the average minus what it received from that sender,
-encoded with the codec registered for the message's id. For all three that one replies in dense
-fp16 (`dense_replies=True`): the top 1% of that correction would leave each peer mostly its own
-values, and a quantized correction would leave peers apart by its own error, which no error
-feedback can carry (averaging/pipeline/error_feedback.py).
+A reducer encodes each part's average once, with the codec its senders used, and sends those same
+bytes to every sender (averaging/adapter/runner.py), so every member decodes the same values; what
+that encoding loses is carried by the reducer's own error feedback (averaging/pipeline/error_feedback.py).
 
 Values that are not finite decode as 0 (int8 and int4: with the rest of their block): a peer's
 own guard drops such gradients before a round, so only a hostile peer sends them.
@@ -40,9 +38,7 @@ from hivemind.proto import runtime_pb2
 BLOCK = 64
 TOPK_FRACTION = 0.01
 _HEADER = struct.Struct("<I")  # block size (int8, int4) or values kept (topk)
-_DENSE = 2**32 - 1  # a header: every value follows, as fp16 (a reducer's reply)
 _INT8_VALUES = 2**31  # a topk header's flag: the kept values follow as an int8 message
-_FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
 def _message(codec: "CompressionBase", tensor: torch.Tensor, body: bytes, header: int) -> runtime_pb2.Tensor:
@@ -56,33 +52,19 @@ def _restore(serialized: runtime_pb2.Tensor, flat: torch.Tensor) -> torch.Tensor
     return flat.reshape(tuple(serialized.size)).to(dtype)
 
 
-def _dense_message(codec: "CompressionBase", tensor: torch.Tensor) -> runtime_pb2.Tensor:
-    values = torch.nan_to_num(tensor.detach().reshape(-1).to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
-    half = values.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)  # beyond, fp16 is inf
-    return _message(codec, tensor, half.numpy().tobytes(), _DENSE)
-
-
-def _dense_values(serialized: runtime_pb2.Tensor) -> torch.Tensor:
-    dense = np.frombuffer(serialized.buffer, dtype=np.float16, offset=_HEADER.size)
-    return _restore(serialized, torch.from_numpy(dense.astype(np.float32)))
-
-
 class BlockwiseAbsmax(CompressionBase):
-    """Blockwise absmax quantization to `bits` (8 or 4) signed levels per value; with `dense_replies`, every
-    value as fp16 (how a reducer's replies go: see the module's docstring)."""
+    """Blockwise absmax quantization to `bits` (8 or 4) signed levels per value."""
 
-    def __init__(self, bits: int, block: int = BLOCK, dense_replies: bool = False):
+    def __init__(self, bits: int, block: int = BLOCK):
         if bits not in (4, 8):
             raise ValueError(f"bits must be 4 or 8 (got {bits})")
         if block <= 0 or block % 2:
             raise ValueError(f"block must be a positive even number (two int4 values share a byte; got {block})")
-        self.bits, self.block, self.dense_replies = bits, block, dense_replies
+        self.bits, self.block = bits, block
         self.levels = 2 ** (bits - 1) - 1  # 127 or 7: symmetric, so zero is exact
         self.compression_type = CODEC_IDS[f"int{bits}"]
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        if self.dense_replies:
-            return _dense_message(self, tensor)
         values = tensor.detach().reshape(-1).to(torch.float32)
         blocks = math.ceil(values.numel() / self.block)
         padded = torch.zeros(blocks * self.block, dtype=torch.float32)
@@ -102,8 +84,6 @@ class BlockwiseAbsmax(CompressionBase):
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         buffer = serialized_tensor.buffer
         (block,) = _HEADER.unpack_from(buffer)
-        if block == _DENSE:
-            return _dense_values(serialized_tensor)
         numel = math.prod(serialized_tensor.size)
         blocks = math.ceil(numel / block)
         offset = _HEADER.size
@@ -123,20 +103,17 @@ class BlockwiseAbsmax(CompressionBase):
 
 class TopK(CompressionBase):
     """The `fraction` of values largest in magnitude (at least one), as int32 indices and fp16 (`value_bits`
-    16) or blockwise int8 (8) values; with `dense_replies`, every value as fp16 (how a reducer's replies go:
-    see the module's docstring)."""
+    16) or blockwise int8 (8) values."""
 
-    def __init__(self, fraction: float = TOPK_FRACTION, dense_replies: bool = False, value_bits: int = 16):
+    def __init__(self, fraction: float = TOPK_FRACTION, value_bits: int = 16):
         if not 0 < fraction <= 1:
             raise ValueError(f"fraction must be in (0, 1] (got {fraction})")
         if value_bits not in (8, 16):
             raise ValueError(f"value_bits must be 8 or 16 (got {value_bits})")
-        self.fraction, self.dense_replies, self.value_bits = fraction, dense_replies, value_bits
+        self.fraction, self.value_bits = fraction, value_bits
         self.compression_type = CODEC_IDS["topk"]
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        if self.dense_replies:
-            return _dense_message(self, tensor)
         values = torch.nan_to_num(tensor.detach().reshape(-1).to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
         kept = min(values.numel(), max(1, math.ceil(values.numel() * self.fraction)))
         indices = values.abs().topk(kept, sorted=False).indices.sort().values  # sorted: compresses better
@@ -149,8 +126,6 @@ class TopK(CompressionBase):
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         buffer = serialized_tensor.buffer
         (kept,) = _HEADER.unpack_from(buffer)
-        if kept == _DENSE:
-            return _dense_values(serialized_tensor)
         int8_values, kept = bool(kept & _INT8_VALUES), kept & ~_INT8_VALUES
         indices = np.frombuffer(buffer, dtype=np.int32, count=kept, offset=_HEADER.size)
         offset = _HEADER.size + 4 * kept

@@ -119,8 +119,13 @@ def test_residuals_survive_a_checkpoint_and_a_bad_one_starts_from_zero():
     assert torch.equal(restored.residuals[0], torch.tensor([0.0, 1.0, 2.0]))
     restored.load_state_dict([torch.zeros(4)])  # another model's
     assert restored.norm() == 0.0
+    feedback.reply_residuals[1].fill_(0.25)
+    restored.load_state_dict(feedback.state_dict())  # the reply residuals come back too
+    assert torch.equal(restored.reply_residuals[1], torch.full((2, 2), 0.25))
+    restored.load_state_dict(feedback.state_dict()[:2])  # a checkpoint from before replies had residuals
+    assert torch.equal(restored.residuals[0], torch.full((3,), 0.5)) and restored.reply_norm() == 0.0
     feedback.reset()
-    assert feedback.norm() == 0.0
+    assert feedback.norm() == 0.0 and feedback.reply_norm() == 0.0
 
 
 @pytest.mark.parametrize("strategy, codec, setting, expected", [
@@ -173,17 +178,21 @@ def test_two_averagers_with_int4_and_error_feedback_agree_and_carry_the_loss_int
     else:
         pytest.fail("every attempt lost a reducer's reply")
 
-    for round_results in results:  # the peers agree, up to the fp16 of the replies
-        for mine, theirs, average in zip(*round_results, mean):
-            assert float((mine - theirs).abs().max()) < 2e-3 * float(average.abs().max())
-    for feedback in feedbacks:  # each peer reduced one tensor itself (nothing lost) and sent the other
+    for round_results in results:  # the peers agree to the last bit: both decoded the same int4 replies
+        for mine, theirs in zip(*round_results):
+            assert torch.equal(mine, theirs)
+    for feedback in feedbacks:  # each peer reduced one tensor itself (nothing lost sending it) and sent the other
         norms = sorted(float(residual.norm()) for residual in feedback.residuals)
         assert norms[0] == 0.0 and norms[1] > 0.0
+        # and replied in int4 for the one it reduced: what that lost is its reply residual there, and only there
+        reply_norms = sorted(float(residual.norm()) for residual in feedback.reply_residuals)
+        assert reply_norms[0] == 0.0 and reply_norms[1] > 0.0
     # what was lost in round 1 was sent in round 2: the two rounds together are twice the mean, less what the
-    # last round lost (without error feedback each peer would hold the mean plus its own residual, every round)
+    # last round lost on both legs (without error feedback each round's loss would be applied for good)
     for tensor_index in range(2):
         together = results[0][0][tensor_index] + results[1][0][tensor_index]
-        still_lost = sum(feedback.residuals[tensor_index] for feedback in feedbacks) / 2
+        still_lost = sum(feedback.residuals[tensor_index] / 2 + feedback.reply_residuals[tensor_index]
+                         for feedback in feedbacks)
         expected = 2 * mean[tensor_index] - still_lost
         assert float((together - expected).abs().max()) < 4e-3 * float(mean[tensor_index].abs().max())
 
@@ -213,16 +222,18 @@ def test_diloco_peers_with_int4_and_error_feedback_agree_checkpoint_their_residu
 
         assert [peer.local_epoch for peer in peers] == [1, 1]
         for mine, theirs in zip(models[0].parameters(), models[1].parameters()):
-            # one outer step on the same average, up to the fp16 of the replies (without error feedback, each
-            # peer's int4 loss: up to 0.05 here)
-            assert float((mine - theirs).detach().abs().max()) < 2e-3
+            # one outer step on the same average: both decoded the same int4 replies
+            assert torch.equal(mine.detach(), theirs.detach())
         for peer in peers:
-            assert peer.error_feedback.norm() > 0  # each sent one of the two tensors through int4
+            # each sent one of the two tensors through int4, and replied through int4 for the other
+            assert peer.error_feedback.norm() > 0 and peer.error_feedback.reply_norm() > 0
             saved = peer.state_dict()["diloco"]["error_feedback"]
-            assert all(torch.equal(a, b) for a, b in zip(saved, peer.error_feedback.residuals))
+            held = [*peer.error_feedback.residuals, *peer.error_feedback.reply_residuals]
+            assert len(saved) == len(held) and all(torch.equal(a, b) for a, b in zip(saved, held))
 
         assert peers[1].load_state_from_peers()
-        assert peers[1].error_feedback.norm() == 0.0  # its residuals belonged to the state it left
+        # its residuals belonged to the state it left
+        assert peers[1].error_feedback.norm() == 0.0 and peers[1].error_feedback.reply_norm() == 0.0
     finally:
         for peer in peers:
             peer.shutdown()

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from hivemind.compression import CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
 from averaging import adapter
 from averaging.codecs.compression import make_codec, payload_bytes
@@ -97,15 +97,6 @@ def test_topk_with_int8_values_keeps_the_same_values_at_int8_precision_in_fewer_
         TopK(0.01, value_bits=4)
 
 
-def test_a_reducer_replies_through_topk_densely_as_fp16():
-    """The codec registered for topk's id encodes the reducers' replies: all of the correction, at fp16."""
-    adapter.install()
-    values = gradient_like(4096)
-    reply = serialize_torch_tensor(values, CODEC_IDS["topk"])  # what a reducer does with the sender's id
-    assert len(reply.buffer) == 4 + 2 * 4096
-    assert torch.allclose(deserialize_torch_tensor(reply), values, rtol=1e-3, atol=1e-3)
-
-
 @pytest.mark.parametrize("name", ["int8", "int4", "topk"])
 def test_hivemind_decodes_our_codecs_by_their_ids(name):
     adapter.install()
@@ -130,9 +121,9 @@ def test_blockwise_codecs_keep_outliers_from_flattening_the_rest():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["int4", "topk"])
 def test_two_real_averagers_average_through_our_codec(name):
-    """hivemind's own all-reduce, in averager processes that inherited the registration. A peer gets back the
-    average plus what the codec lost of its own contribution (hivemind returns `average - what the reducer
-    received`, added to the peer's own values): small for int4, most of it for topk at 50%."""
+    """hivemind's all-reduce with canonical replies, in averager processes that inherited the registration. Both
+    peers end with the same decoded replies, the average less what the codec lost on both legs: small for int4,
+    more for topk at 50% (no error feedback here)."""
     size = 2 * 2**17  # hivemind's parts are about 2**17 values: one for each of the two reducers
     values = [gradient_like(size, seed=seed) for seed in (1, 2)]
     mean = (values[0] + values[1]) / 2
@@ -143,7 +134,6 @@ def test_two_real_averagers_average_through_our_codec(name):
         for averager in group:
             with averager.get_tensors() as tensors:
                 results.append(tensors[0].clone())
-    for result in results:
-        assert torch.isfinite(result).all()
-        assert float((result - mean).norm() / mean.norm()) < (0.2 if name == "int4" else 0.8)
-    assert not torch.equal(results[0], values[0]) and not torch.equal(results[1], values[1])  # both averaged
+    assert torch.equal(results[0], results[1])
+    assert torch.isfinite(results[0]).all()
+    assert float((results[0] - mean).norm() / mean.norm()) < (0.2 if name == "int4" else 0.8)

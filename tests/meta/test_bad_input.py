@@ -231,7 +231,7 @@ def test_bad_config_file_shape(capsys, tmp_path, content, expected, name):
         (["--grad-compression", "int3"], "--grad-compression"),
         (["--diloco-overlap"], "--diloco-overlap needs --averaging diloco (got sync"),
         (["--error-feedback", "on"], "--error-feedback on needs --grad-compression int8, int4 or topk (got none"),
-        (["--error-feedback", "on", "--grad-compression", "uint8"], "its replies are lossy too"),
+        (["--error-feedback", "on", "--grad-compression", "uint8"], "error feedback is built for the codecs here"),
         (["--error-feedback", "on", "--grad-compression", "int8", "--averaging", "powersgd"],
          "--error-feedback on does not apply to --averaging powersgd"),
         (["--model-config", "llama-1m"],
