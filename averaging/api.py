@@ -73,6 +73,25 @@ class SwarmView:
         return self.samples_accumulated / max(1, self.target_batch_size)
 
 
+@dataclass(frozen=True)
+class RoundLength:
+    """How long this peer's outer rounds are as it enters an epoch (DiLoCo: averaging/strategies/round_length.py)."""
+
+    epoch: int
+    factor: int
+    """The swarm's round factor at `epoch`: the round is factor x --target-batch-size samples long."""
+    requested: int
+    """The factor this peer asks the swarm for (1 without an upload budget)."""
+    max_factor: int
+    """--max-round-factor, the run's longest round."""
+    budget_mbit: Optional[float] = None
+    """--max-upload-mbit; None: no budget."""
+    meets_budget: bool = True
+    """False while even the longest round would send more than the budget."""
+    needed_mbit: Optional[float] = None
+    """What averaging sends, in Mbit/s, at the factor it asks for (None until a round with others is measured)."""
+
+
 @dataclass
 class AveragingHooks:
     """Callbacks from the optimizer to whoever is watching; all optional."""
@@ -104,6 +123,8 @@ class AveragingHooks:
     serve_state: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None
     """What this peer serves to a peer downloading its state, instead of its state (None: its state). For fault
     injection in tests: a hostile donor (peer/testing/faults.py)."""
+    round_length: Callable[[RoundLength], None] = lambda length: None
+    """As this peer enters an epoch: its round factor, what it asks for and its upload budget (DiLoCo)."""
     guards_gradients: Callable[[], bool] = lambda: True
     """Whether a batch whose gradients hold NaN or Inf is dropped before it reaches the swarm (sync). Always, but
     for fault injection in tests: a hostile peer that sends them on purpose."""

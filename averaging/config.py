@@ -15,6 +15,10 @@ from averaging.registry import DEFAULT_STRATEGY, STRATEGIES, STRATEGY_NAMES, acc
 
 CODECS = ("none", "fp16", "scaled-fp16", "uint8", "quantile8", "blockwise8", "int8", "int4", "topk", "adaptive")
 FEEDBACK_CODECS = ("int8", "int4", "topk")  # ours, whose losses both legs of a round carry (pipeline/error_feedback.py)
+TOPK_VALUE_BITS_CHOICES = (2, 4, 8, 16)
+TOPK_CHUNK_CHOICES = tuple(2**power for power in range(4, 17))  # 65536 at most: an index fits in two bytes
+MAX_ROUND_FACTOR = 64
+"""The longest --max-round-factor: a round of 64 target batches is longer than any volunteer would wait for."""
 BITSANDBYTES_INSTALL = "pip install 'swarmtrain[bitsandbytes]'"
 AUTO = "auto"
 REFUSABLE = {
@@ -132,6 +136,22 @@ class AveragingConfig(BaseModel):
     outer_momentum: float = Field(
         default=0.9, ge=0, lt=1, description="DiLoCo outer Nesterov momentum, in [0, 1)."
     )
+    max_upload_mbit: Optional[float] = Field(
+        default=None,
+        gt=0,
+        description="DiLoCo: cap this peer's averaging upload at this many Mbit/s, over a minute. The peer "
+        "measures what its rounds send and how long its epochs take, and asks the swarm for outer rounds of up to "
+        "--max-round-factor target batches (docs/strategies.md, an upload budget); if not even the longest is "
+        "enough, it says so once. Unset: no budget.",
+    )
+    max_round_factor: int = Field(
+        default=8,
+        ge=1,
+        le=MAX_ROUND_FACTOR,
+        description="DiLoCo: the longest outer round the swarm allows, in target batches. Peers with "
+        "--max-upload-mbit may ask for rounds of up to this many times --target-batch-size, and every peer applies "
+        "the swarm's choice at the same epoch; 1 keeps every round at the target batch.",
+    )
     grad_compression: str = Field(
         default="none",
         description="Codec for averaging gradients (DiLoCo: pseudo-gradients): none, fp16, scaled-fp16, uint8, "
@@ -149,9 +169,16 @@ class AveragingConfig(BaseModel):
         "go as zeros).",
     )
     topk_value_bits: int = Field(
-        default=16,
-        description="topk codec: how its values are sent, 16 (fp16) or 8 (blockwise int8, about 16% fewer bytes: "
-        "the int32 indices weigh most).",
+        default=4,
+        description="topk codec: bits per value sent, 2, 4, 8 or 16 (fp16). With error feedback, 4 does about as "
+        "well as 16 at about half the bytes per value sent (docs/strategies.md); 2 sends 16% fewer bytes than 4 and "
+        "loses more.",
+    )
+    topk_chunk: int = Field(
+        default=256,
+        description="topk codec: each chunk of this many values (a power of two from 16 to 65536) sends its "
+        "--topk-fraction largest, with indices of one byte up to 256 and two beyond. A smaller chunk spreads the "
+        "values sent more evenly over the tensor; at least one is sent per chunk.",
     )
     error_feedback: Literal["auto", "on", "off"] = Field(
         default="auto",
@@ -263,6 +290,20 @@ class AveragingConfig(BaseModel):
     def _seconds(cls, value):
         return _seconds_or_auto(value)
 
+    @field_validator("max_upload_mbit", mode="before")
+    @classmethod
+    def _mbit(cls, value):
+        if value is None:
+            return None
+        try:
+            mbit = float(value)
+        except (TypeError, ValueError):
+            mbit = float("nan")
+        if isinstance(value, bool) or not 0 < mbit < float("inf"):
+            raise ValueError("must be an upload rate in Mbit/s, a finite number > 0 such as 10; leave it unset for "
+                             "no budget")
+        return mbit
+
     @field_validator("average_opt_statistics", mode="before")
     @classmethod
     def _split_names(cls, value):
@@ -287,8 +328,15 @@ class AveragingConfig(BaseModel):
     @field_validator("topk_value_bits")
     @classmethod
     def _value_bits(cls, value: int) -> int:
-        if value not in (8, 16):
-            raise ValueError("must be 8 (int8 values) or 16 (fp16 values)")
+        if value not in TOPK_VALUE_BITS_CHOICES:
+            raise ValueError("must be 2 or 4 (blockwise low-bit values), 8 (blockwise int8) or 16 (fp16)")
+        return value
+
+    @field_validator("topk_chunk")
+    @classmethod
+    def _chunk(cls, value: int) -> int:
+        if value not in TOPK_CHUNK_CHOICES:
+            raise ValueError("must be a power of two from 16 to 65536, such as 256 (one-byte indices)")
         return value
 
     @field_validator("adaptive_large_codec", mode="after")
@@ -357,11 +405,13 @@ class AveragingConfig(BaseModel):
             if why is not None and self._switched_on(setting):
                 raise ValueError(f"{says} --averaging {self.strategy} ({why}); {way_out} --averaging "
                                  f"{'/'.join(accepting(setting))}")
-        for owner in STRATEGIES.values():  # a switch of another strategy's section
+        for owner in STRATEGIES.values():  # a switch, or an optional value, of another strategy's section
             for setting in owner.settings:
-                if owner.name != self.strategy and getattr(self, setting) is True:
+                if owner.name != self.strategy and self._set_in_section(setting):
                     flag = "--" + setting.replace("_", "-")
-                    raise ValueError(f"{flag} needs --averaging {owner.name} (got {self.strategy}: only {owner.name} "
+                    value = getattr(self, setting)
+                    given = flag if value is True else f"{flag} {value:g}"
+                    raise ValueError(f"{given} needs --averaging {owner.name} (got {self.strategy}: only {owner.name} "
                                      f"reads it); add --averaging {owner.name} or drop {flag}")
         return self
 
@@ -370,6 +420,12 @@ class AveragingConfig(BaseModel):
         """Whether the gradient (DiLoCo: pseudo-gradient) averager carries its codec's loss between rounds."""
         return (self.error_feedback != "off" and self.grad_compression in FEEDBACK_CODECS
                 and "error_feedback" not in STRATEGIES[self.strategy].refuses)
+
+    def _set_in_section(self, setting: str) -> bool:
+        """Whether a setting of a strategy's section asks for something: a switch turned on, or an optional value
+        (unset by default, such as --max-upload-mbit) given."""
+        value = getattr(self, setting)
+        return value is True or (type(self).model_fields[setting].default is None and value is not None)
 
     def _switched_on(self, setting: str) -> bool:
         value = getattr(self, setting)

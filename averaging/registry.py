@@ -111,8 +111,10 @@ _DECLARED = (
         help="--diloco-inner-steps local steps, then an outer Nesterov step on averaged deltas",
         builder="averaging.strategies.diloco:build_diloco",
         payload=Payload(GRADIENTS, "grad_compression"),
-        settings=("diloco_inner_steps", "diloco_overlap", "outer_lr", "outer_momentum"),
-        shared_settings=(*_CODECS, "diloco_inner_steps", "outer_lr", "outer_momentum"),
+        settings=("diloco_inner_steps", "diloco_overlap", "outer_lr", "outer_momentum", "max_upload_mbit",
+                  "max_round_factor"),
+        # --max-upload-mbit is each peer's own: the swarm agrees on the round factor it asks for (averaging/budget.py)
+        shared_settings=(*_CODECS, "diloco_inner_steps", "outer_lr", "outer_momentum", "max_round_factor"),
         refuses={
             "delay_updates": _NOT_GRADIENTS.format("diloco"),
             "offload_optimizer": "its outer state already lives in host memory and the inner optimizer steps every "

@@ -5,7 +5,8 @@ adaptive, and blockwise8 when bitsandbytes is importable), on gradients from rea
 passes of the default task (`bytelm`; `bytelm-tiny` in smoke mode), after a few training steps:
 
 - ``payload_ratio``: the serialized size of one peer's gradients under the codec, divided by
-  their float32 size (`averaging.codecs.compression.payload_bytes`, the number the metrics use);
+  their float32 size (`averaging.codecs.compression.payload_bytes`, the number the metrics use),
+  and ``bytes_per_value``, that size per fp32 value;
 - ``rel_l2_error`` and ``max_abs_error``: one compress/decompress round trip of the whole
   gradient, ||g' - g|| / ||g|| and max |g' - g| (worst over the sampled steps);
 - round time of a 2-peer averaging round on 127.0.0.1: one `DecentralizedAverager` pair per
@@ -18,6 +19,10 @@ passes of the default task (`bytelm`; `bytelm-tiny` in smoke mode), after a few 
   gradients|| / ||sum of the gradients||, for each lossy codec as it is and, for those error
   feedback runs with (int8, int4, topk), with it (`averaging.pipeline.error_feedback.encode_with_feedback`).
 
+Besides the codecs by name, the top-k variants of TOPK_VARIANTS (`topk` itself has the defaults:
+`--topk-fraction` 0.01, `--topk-value-bits` 4, `--topk-chunk` 256): their sizes and errors, not timed in
+rounds unless named in ``--round-codecs``.
+
 On loopback the wire is nearly free, so the all-reduce time mostly shows what encoding and
 decoding cost; over a slow link the payload ratio is what matters (see allreduce_link).
 
@@ -29,12 +34,12 @@ Usage (from the repository root)::
 
 JSON ``results``: ``task``, ``parameters``, ``fp32_bytes``, ``gradient_samples``, ``rounds``,
 ``matchmaking_seconds``, ``skipped`` (codec -> reason), and ``codecs.<name>``: ``payload_bytes``,
-``payload_ratio``, ``rel_l2_error``, ``max_abs_error``, ``rounds_ok``, ``rounds_failed``,
+``payload_ratio``, ``bytes_per_value``, ``rel_l2_error``, ``max_abs_error``, ``rounds_ok``, ``rounds_failed``,
 ``round_seconds``, ``matchmaking_seconds``, ``allreduce_seconds`` (``{median, min, max, n}``),
 ``allreduce_over_none`` (per-round ratio to the ``none`` codec's all-reduce, ``{median, ...}``); the round
 fields are absent for codecs left out of ``--round-codecs`` (listed in ``round_codecs``).
 ``feedback_rounds``, and for lossy codecs ``accumulated_error`` (without error feedback) and, for int8, int4
-and topk, ``accumulated_error_with_feedback``.
+and topk (and its variants), ``accumulated_error_with_feedback``.
 """
 from __future__ import annotations
 
@@ -51,6 +56,10 @@ from averaging.config import CODECS, FEEDBACK_CODECS  # noqa: E402 (after the pa
 from benchmarks import common
 
 NAME = "compression"
+TOPK_VARIANTS = {"topk-2bit": {"topk_value_bits": 2}, "topk-8bit": {"topk_value_bits": 8},
+                 "topk-16bit": {"topk_value_bits": 16}, "topk-4pct": {"topk_fraction": 0.04}}
+"""Top-k with other value bits at the default chunk, and at 4% (about the bytes of the int32-index top-k at 1%):
+name -> make_codec's arguments."""
 
 
 def real_gradients(task_name: str, train_steps: int, samples: int, seed: int = 0):
@@ -160,19 +169,22 @@ def main(argv=None) -> int:
             run.note("blockwise8 skipped: bitsandbytes is not importable")
             continue
         codecs[name] = make_codec(name)
+    for name, settings in TOPK_VARIANTS.items():
+        codecs[name] = make_codec("topk", **settings)
     results: Dict[str, dict] = {}
     for name, codec in codecs.items():
         size = payload_bytes(grads[0], codec)
         results[name] = {"payload_bytes": size, "payload_ratio": round(size / fp32_bytes, 4),
+                         "bytes_per_value": float(f"{4 * size / fp32_bytes:.4g}"),
                          **{k: float(f"{v:.4g}") for k, v in round_trip_errors(grads, codec).items()}}
         if name != "none":
             results[name]["accumulated_error"] = float(f"{accumulated_error(sequence, codec, False):.4g}")
-        if name in FEEDBACK_CODECS:
+        if name in FEEDBACK_CODECS or name in TOPK_VARIANTS:
             results[name]["accumulated_error_with_feedback"] = float(
                 f"{accumulated_error(sequence, codec, True):.4g}")
 
     wanted = (args.round_codecs or common.by_mode(mode, smoke="none,uint8", quick="", full="")).split(",")
-    timed = {name: codec for name, codec in codecs.items() if name in wanted or wanted == [""]}
+    timed = {name: codec for name, codec in codecs.items() if name in wanted or (wanted == [""] and name in CODECS)}
     localhost = ["/ip4/127.0.0.1/tcp/0"]
     dhts, averagers = [], {}
     timings: Dict[str, List[dict]] = {name: [] for name in timed}
@@ -249,7 +261,8 @@ def main(argv=None) -> int:
     failed = sum(r.get("rounds_failed", 0) for r in results.values())
     if failed:
         run.note(f"{failed} averaging round(s) failed; see codecs.<name>.errors")
-    parts = [f"{name} {row['payload_ratio']:.2f}x/err {row['rel_l2_error']:.1e}/ar "
+    parts = [f"{name} {row['payload_ratio']:.{2 if row['payload_ratio'] >= 0.1 else 4}f}x/err "
+             f"{row['rel_l2_error']:.1e}/ar "
              f"{common.fmt_ratio(row.get('allreduce_over_none', {}).get('median'))}" for name, row in results.items()]
     feedback = [f"{name} {row['accumulated_error']:.1e} -> {row['accumulated_error_with_feedback']:.1e}"
                 for name, row in results.items() if "accumulated_error_with_feedback" in row]

@@ -15,7 +15,8 @@ if __package__ in (None, ""):
 
 from benchmarks import common
 
-ORDER = ("local_overhead", "allreduce_link", "compression", "uplink", "offload", "scaling", "one_state", "straggler")
+ORDER = ("local_overhead", "allreduce_link", "compression", "uplink", "diloco_recipes", "offload", "scaling",
+         "one_state", "straggler")
 
 
 def _f(value, digits: int = 3, suffix: str = "") -> str:
@@ -91,16 +92,18 @@ def allreduce_link(doc: dict) -> str:
 def compression(doc: dict) -> str:
     r = doc["results"]
     rounds = r.get("feedback_rounds")
-    lines = ["| codec | payload vs fp32 | rel. L2 error | max abs error | loopback all-reduce s | vs none | "
-             f"error after {rounds} rounds | with error feedback |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| codec | payload vs fp32 | bytes per value | rel. L2 error | max abs error | loopback all-reduce s | "
+             f"vs none | error after {rounds} rounds | with error feedback |", "|---|---|---|---|---|---|---|---|---|"]
     for name, row in r["codecs"].items():
         ar = row.get("allreduce_seconds", {}).get("median")
-        lines.append(f"| {name} | {row['payload_ratio']:.3f} | {row['rel_l2_error']:.2e} | "
+        per_value = row.get("bytes_per_value", 4 * row["payload_ratio"])  # results from before it was recorded
+        lines.append(f"| {name} | {row['payload_ratio']:.3f} | {_f(per_value, 4)} | "
+                     f"{row['rel_l2_error']:.2e} | "
                      f"{row['max_abs_error']:.2e} | "
                      f"{_f(ar, 3)} | {_f(row.get('allreduce_over_none', {}).get('median'))} | "
                      f"{_e(row.get('accumulated_error'))} | {_e(row.get('accumulated_error_with_feedback'))} |")
     for name, reason in r["skipped"].items():
-        lines.append(f"| {name} | skipped: {reason} |||||||")
+        lines.append(f"| {name} | skipped: {reason} ||||||||")
     return (f"Real gradients of `{r['task']}` ({r['parameters']:,} parameters, {r['fp32_bytes']:,} fp32 bytes), "
             f"worst of {r['gradient_samples']} backward passes; 2-peer rounds on 127.0.0.1, medians of "
             f"{r['rounds']} interleaved rounds. The last two columns: the relative L2 error of the update "
@@ -131,6 +134,19 @@ def uplink(doc: dict) -> str:
                 f"{_f(row['val_loss_vs_sync_fp32'], 3)} | {_f(row['time_to_target_seconds'], 1)} | "
                 f"{_f(row['speedup_vs_sync_fp32'], 2)}x |")
     return "\n".join(lines)
+
+
+def diloco_recipes(doc: dict) -> str:
+    r = doc["results"]
+    lines = ["| recipe (H:lr:mu:codec:warmup) | rounds | val loss | vs sync | fewer payload bytes than sync fp32 |",
+             "|---|---|---|---|---|"]
+    for row in r["recipes"]:
+        lines.append(f"| {row['recipe']} | {row['rounds']} | {_f(row['final_val_loss'], 4)} | "
+                     f"{_f(row['val_loss_vs_sync'], 4)} | {_f(row['fewer_bytes_than_sync_fp32'], 1)}x |")
+    return (f"`{r['task']}` ({r['parameters']:,} parameters), {r['peers']} replicas, batch {r['batch_size']} a step, "
+            f"{r['samples']:,} samples per run on {r['device']}; sync reference at target batch "
+            f"{r['target_batch_size']}: validation loss {_f(r['reference']['final_val_loss'], 4)}.\n\n"
+            + "\n".join(lines))
 
 
 def offload(doc: dict) -> str:

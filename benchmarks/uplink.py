@@ -2,9 +2,9 @@
 
 Two real `peer start` processes, each in its own network namespace on one bridge (benchmarks/netns.py),
 each link's egress shaped with `tc tbf` to the rate under test, each peer pinned to its own core with
-one torch thread, train the task (`bytelm`) from the same seed for the same number of samples
-(``--samples``), once per configuration and link rate, configurations interleaved (forward at the first
-rate, reversed at the next):
+one torch thread, train the task (`bytelm`), each reading its own data order (`--seed` 0 and 1), for the
+same number of samples (``--samples``), once per configuration and link rate, configurations interleaved
+(forward at the first rate, reversed at the next):
 
 - ``sync-fp32``, ``sync-fp16``, ``sync-int8-ef``: gradients averaged every epoch (``--target-batch-size``);
   int8 with error feedback (on by default for int8);
@@ -41,7 +41,8 @@ against wall time per configuration, one panel per rate.
 Needs root (network namespaces, tc). Usage (from the repository root)::
 
     python -m benchmarks.uplink --quick     # 20 and 100 Mbit/s, 4096 samples per run (about 20 minutes)
-    python -m benchmarks.uplink             # 8192 samples per run
+    python -m benchmarks.uplink             # 20 Mbit/s, FULL_SETUPS, batch 16, 16 rounds of 128 inner steps
+                                            # (65,536 samples per run; about an hour)
     python -m benchmarks.uplink --smoke     # 2 setups at 100 Mbit/s, 256 samples, bytelm-tiny; for tests
 
 JSON ``results``: ``task``, ``samples``, ``target_batch_size``, ``diloco_target_batch_size``, ``rates``,
@@ -81,6 +82,9 @@ SETUPS: Dict[str, List[str]] = {  # each setup's flags besides --averaging, whic
     "diloco-int4-ef-overlap": ["--grad-compression", "int4", "--diloco-overlap"],
     "none": [],
 }
+FULL_SETUPS = ("sync-fp32", "diloco-fp32", "diloco-int4-ef")
+"""What full mode runs by default: the reference and the best DiLoCo setups (top-k loses too much at 16 rounds:
+benchmarks/diloco_recipes.py)."""
 STOP_GRACE_SECONDS = 60.0
 
 
@@ -122,15 +126,16 @@ async def one_run(run: common.Run, bridge: netns.Bridge, rate: str, setup: str, 
     bridge.set_rate(rate)
     before = [bridge.traffic(i) for i in range(2)]
     label = f"{rate}-{setup}"
-    base = ["--task", settings["task"], "--seed", "0", "--batch-size", str(settings["batch_size"]),
+    base = ["--task", settings["task"], "--batch-size", str(settings["batch_size"]),
             "--matchmaking-seconds", "1", "--averaging-timeout-seconds", "120", "--data-workers", "1",
             "--checkpoint-every-epochs", "1000", "--min-peers", "2", "--run-id", f"uplink-{os.getpid()}-{label}"]
     async with Swarm(work / label, *base, env={"OMP_NUM_THREADS": "1"}) as swarm:
         try:
             peers = []
             for index in range(2):
-                peers.append(await swarm.add(
-                    *flags, "--host-maddrs", f"/ip4/{bridge.ip(index)}/tcp/0", name=f"peer-{index}",
+                peers.append(await swarm.add(  # each its own data order, as `peer swarm` hands them out
+                    *flags, "--seed", str(index), "--host-maddrs", f"/ip4/{bridge.ip(index)}/tcp/0",
+                    name=f"peer-{index}",
                     namespace=bridge.namespaces[index], prefix=["taskset", "-c", str(settings["cores"][index])],
                     ready=index == 0, timeout=120))
             await peers[1].ready(120)
@@ -232,25 +237,29 @@ def main(argv=None) -> int:
     p.add_argument("--target-batch-size", type=int, default=128, help="the sync setups' target batch")
     p.add_argument("--diloco-factor", type=int, default=None,
                    help="the DiLoCo setups' target batch, in multiples of the sync setups' (default 8; smoke 4)")
+    p.add_argument("--batch-size", type=int, default=None, help="samples per local step (default 32; full 16)")
+    p.add_argument("--max-seconds", type=float, default=None, help="a run's time limit (default 600; full 3600)")
     p.add_argument("--target-val-loss", type=float, default=None,
                    help="the loss time-to-target is measured at (default: the highest final loss of all runs)")
     args = p.parse_args(argv)
     mode = args.mode
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     run = common.Run(NAME, mode, args.output)
-    rates = (args.rates or common.by_mode(mode, smoke="100mbit", quick="20mbit,100mbit", full="20mbit,100mbit"))
-    setups = (args.setups or common.by_mode(mode, smoke="sync-fp32,diloco-int4-ef", quick="", full="")).split(",")
+    rates = (args.rates or common.by_mode(mode, smoke="100mbit", quick="20mbit,100mbit", full="20mbit"))
+    setups = (args.setups or common.by_mode(mode, smoke="sync-fp32,diloco-int4-ef", quick="",
+                                            full=",".join(FULL_SETUPS))).split(",")
     setups = [setup for setup in SETUPS if setup in setups or setups == [""]]
-    samples = args.samples or common.by_mode(mode, smoke=256, quick=4096, full=8192)
-    batch_size = 32
+    batch_size = args.batch_size or common.by_mode(mode, smoke=32, quick=32, full=16)
+    target_batch_size = common.by_mode(mode, smoke=64, quick=args.target_batch_size, full=args.target_batch_size)
+    factor = args.diloco_factor or common.by_mode(mode, smoke=4, quick=8, full=32)
+    # full: 128 inner steps a round (batch 16, 2 peers), and 16 rounds of it
+    samples = args.samples or common.by_mode(mode, smoke=256, quick=4096, full=16 * target_batch_size * factor)
     settings = {
         "task": common.by_mode(mode, smoke="bytelm-tiny", quick="bytelm", full="bytelm"),
-        "samples": samples, "batch_size": batch_size,
-        "target_batch_size": common.by_mode(mode, smoke=64, quick=args.target_batch_size, full=args.target_batch_size),
-        "max_seconds": common.by_mode(mode, smoke=240, quick=600, full=1200),
+        "samples": samples, "batch_size": batch_size, "target_batch_size": target_batch_size,
+        "max_seconds": args.max_seconds or common.by_mode(mode, smoke=240, quick=600, full=3600),
         "cores": sorted(os.sched_getaffinity(0))[:2] * 2,
     }
-    factor = args.diloco_factor or common.by_mode(mode, smoke=4, quick=8, full=8)
     settings["diloco_target_batch_size"] = settings["target_batch_size"] * factor
     settings["diloco_inner_steps"] = settings["diloco_target_batch_size"] // batch_size  # a peer never idles
     results = {"task": settings["task"], "samples": samples, "target_batch_size": settings["target_batch_size"],

@@ -61,6 +61,12 @@ class SwarmKeys:
         return f"{self.namespace}_digests"
 
     @property
+    def round_factors(self) -> str:
+        """Every DiLoCo peer's round factors for its next epochs, and the one it asks for
+        (averaging/swarm/round_factor.py)."""
+        return f"{self.namespace}_round_factor"
+
+    @property
     def start_gate(self) -> str:
         """When each waiting peer saw the --min-peers quorum."""
         return f"{self.progress}_start"

@@ -1,8 +1,9 @@
 """Signed, typed swarm records: who is in the run, how each peer is doing, and what the run is.
 
 Each peer publishes a PeerInfo under the key "<run_id>_peers", a copy of the run's manifest
-(dht/manifest.py) under "<training namespace>_manifest", and its state digests under
-"<training namespace>_digests", each in a subkey that holds its
+(dht/manifest.py) under "<training namespace>_manifest", its state digests under
+"<training namespace>_digests" and (DiLoCo) its round factors under "<training namespace>_round_factor",
+each in a subkey that holds its
 own RSA public key. hivemind's RSASignatureValidator then lets only the owner of that key
 write the subkey, and SchemaValidator rejects values of the wrong shape. hivemind's
 schema validation is built on pydantic v1 models, so these records use `pydantic.v1`.
@@ -47,6 +48,8 @@ MAX_VALUE_BYTES = 4096  # serialized and signed; a typical PeerInfo takes under 
 MAX_TTL_SECONDS = 3600.0  # generous: clocks of volunteers' machines drift
 CLOCK_RECORD_TTL_SECONDS = 7200.0  # dht/clock.py: long enough to reach a peer whose clock is an hour ahead
 MAX_DIGEST_EPOCHS = 16
+MAX_SCHEDULE_EPOCHS = 8
+MAX_ROUND_FACTOR_RECORDED = 1024  # readers clamp to the run's --max-round-factor; this only bounds what is stored
 
 
 MAX_OBSERVED_PEERS = 24
@@ -93,6 +96,18 @@ class PeerInfo(BaseModel):
     paused: conlist(constr(strict=True, max_length=32), max_items=4) = []
     """The reasons it is paused for now (requested, outside-active-hours, busy); empty while it trains."""
     credit: Optional[CreditRecord] = None
+    upload_budget_mbit: Optional[confloat(gt=0.0, strict=True)] = None
+    """Its --max-upload-mbit (DiLoCo); None: no budget (or a peer of an older version)."""
+    round_factor_requested: Optional[conint(ge=1, le=MAX_ROUND_FACTOR_RECORDED, strict=True)] = None
+    """The round factor its budget asks the swarm for (averaging/budget.py); None: a strategy without one."""
+    round_factor: Optional[conint(ge=1, le=MAX_ROUND_FACTOR_RECORDED, strict=True)] = None
+    """The swarm's round factor at its epoch: its rounds are this many target batches long."""
+
+    @validator("upload_budget_mbit")
+    def _finite_budget(cls, value: Optional[float]) -> Optional[float]:  # noqa: N805 (pydantic's signature)
+        if value is not None and not math.isfinite(value):
+            raise ValueError("upload_budget_mbit must be finite")
+        return value
 
     @validator("val_loss")
     def _finite_val_loss(cls, value: Optional[float]) -> Optional[float]:  # noqa: N805 (pydantic's signature)
@@ -146,10 +161,29 @@ class StateDigests(BaseModel):
         return value
 
 
+class RoundFactorRecord(BaseModel):
+    """A DiLoCo peer's round factors (averaging/swarm/round_factor.py): the one it asks for, and those it will apply
+    at its next epochs."""
+
+    peer_id: constr(strict=True, max_length=128)
+    """Its libp2p peer id (base58): the requests of excluded peers do not count."""
+    requested: conint(ge=1, le=MAX_ROUND_FACTOR_RECORDED, strict=True)
+    """The factor its upload budget asks for (1 without a budget)."""
+    schedule: Dict[constr(strict=True, regex=r"^[0-9]{1,12}$"), conint(ge=1, le=MAX_ROUND_FACTOR_RECORDED, strict=True)]
+    """By epoch (as text, as StateDigests): the factor it applies there."""
+
+    @validator("schedule")
+    def _few_epochs(cls, value: dict) -> dict:  # noqa: N805 (pydantic's signature)
+        if len(value) > MAX_SCHEDULE_EPOCHS:
+            raise ValueError(f"at most {MAX_SCHEDULE_EPOCHS} epochs")
+        return value
+
+
 class TrainingRecordsSchema(BaseModel):
     manifest: Dict[BytesWithPublicKey, Optional[RunManifest]]
     clock: Dict[BytesWithPublicKey, Optional[ClockRecord]]
     digests: Dict[BytesWithPublicKey, Optional[StateDigests]]
+    round_factor: Dict[BytesWithPublicKey, Optional[RoundFactorRecord]]
 
 
 class RecordLimitsValidator(RecordValidatorBase):
@@ -185,7 +219,7 @@ def record_validators(keys: SwarmKeys) -> List:
     return [
         SchemaValidator(SwarmRecordsSchema, prefix=keys.run_id),
         SchemaValidator(TrainingRecordsSchema, prefix=keys.namespace),
-        RecordLimitsValidator([keys.peers, keys.manifest, keys.digests]),
+        RecordLimitsValidator([keys.peers, keys.manifest, keys.digests, keys.round_factors]),
         # a clock record must outlive a clock that runs ahead (dht/clock.py)
         RecordLimitsValidator([keys.clock], max_ttl_seconds=MAX_TTL_SECONDS + CLOCK_RECORD_TTL_SECONDS),
         RSASignatureValidator(),
@@ -219,11 +253,14 @@ def own_subkey() -> bytes:
     return RSASignatureValidator().local_public_key
 
 
-def store_own(dht: hivemind.DHT, key: str, value, ttl_seconds: float, timeout_seconds: float = 10.0) -> bool:
-    """Store value (None withdraws it) under key, in this peer's own signed subkey; False if it was not stored in
-    time. Every record of ours is advisory to the swarm, so a failed store is logged, never raised."""
+def store_own(dht: hivemind.DHT, key: str, value, ttl_seconds: float, timeout_seconds: float = 10.0,
+              subkey: Optional[bytes] = None) -> bool:
+    """Store value (None withdraws it) under key, in this peer's own signed subkey (`subkey`: another key of this
+    peer's, such as its progress tracker's); False if it was not stored in time. Every record of ours is advisory to
+    the swarm, so a failed store is logged, never raised."""
     try:
-        return bool(dht.store(key, subkey=own_subkey(), value=value, expiration_time=get_dht_time() + ttl_seconds,
+        return bool(dht.store(key, subkey=subkey or own_subkey(), value=value,
+                              expiration_time=get_dht_time() + ttl_seconds,
                               return_future=True).result(timeout=timeout_seconds))
     except Exception as e:  # the record expires by itself, or is stored again at its next refresh
         logger.debug(f"could not store {key}: {e!r}")
@@ -248,9 +285,10 @@ class RecordPublisher(threading.Thread):
         period_seconds: float = PUBLISH_PERIOD_SECONDS,
         ttl_seconds: float = RECORD_TTL_SECONDS,
         withdraw_on_stop: bool = True,
+        subkey: Optional[bytes] = None,
     ):
         super().__init__(name=f"RecordPublisher({key})", daemon=True)
-        self.dht, self.key, self.make_value = dht, key, make_value
+        self.dht, self.key, self.make_value, self.subkey = dht, key, make_value, subkey
         self.period_seconds, self.ttl_seconds, self.withdraw_on_stop = period_seconds, ttl_seconds, withdraw_on_stop
         self._stop_event = threading.Event()
 
@@ -260,7 +298,8 @@ class RecordPublisher(threading.Thread):
         except Exception as e:  # publishing is best-effort: training goes on without it
             logger.debug(f"could not make the value of {self.key}: {e!r}")
             return False
-        return value is not None and store_own(self.dht, self.key, value, self.ttl_seconds, timeout_seconds)
+        return value is not None and store_own(self.dht, self.key, value, self.ttl_seconds, timeout_seconds,
+                                               self.subkey)
 
     def run(self) -> None:
         while not self._stop_event.is_set():
@@ -273,7 +312,7 @@ class RecordPublisher(threading.Thread):
         if self.is_alive():
             self.join(timeout_seconds)
         if self.withdraw_on_stop:
-            store_own(self.dht, self.key, None, self.ttl_seconds, timeout_seconds)
+            store_own(self.dht, self.key, None, self.ttl_seconds, timeout_seconds, self.subkey)
 
 
 class PeerInfoPublisher(RecordPublisher):

@@ -64,6 +64,10 @@ PEER_METRICS: Dict[str, str] = {
     "peer_averaging_reducing": "gauge",
     "peer_paused": "gauge",
     "peer_paused_seconds_total": "counter",
+    "peer_upload_budget_mbit": "gauge",
+    "peer_upload_mbit": "gauge",
+    "peer_round_factor_requested": "gauge",
+    "peer_round_factor": "gauge",
     "peer_info": "gauge",
     "peer_gpu_memory_allocated_bytes": "gauge",
     "peer_gpu_memory_peak_bytes": "gauge",
@@ -208,6 +212,26 @@ class PeerMetrics:
         self.paused_seconds = Counter(
             "peer_paused_seconds", "Time this peer spent paused, counted as each pause ends.", registry=r,
         )
+        self.upload_budget_mbit = Gauge(
+            "peer_upload_budget_mbit",
+            "This peer's upload budget for averaging (--max-upload-mbit), in Mbit/s; NaN: no budget.", registry=r,
+        )
+        self.upload_mbit = Gauge(
+            "peer_upload_mbit",
+            "What this peer's averaging rounds uploaded, in Mbit/s, over the last minute (over the last round "
+            "interval where rounds are further apart); computed like peer_averaging_payload_sent_bytes_total.",
+            registry=r,
+        )
+        self.round_factor_requested = Gauge(
+            "peer_round_factor_requested",
+            "The round factor this peer's upload budget asks the swarm for (1 without a budget): rounds of this many "
+            "target batches.", registry=r,
+        )
+        self.round_factor = Gauge(
+            "peer_round_factor",
+            "The swarm's round factor at this peer's epoch: its outer rounds are this many target batches long.",
+            registry=r,
+        )
         self.info = Gauge(
             "peer_info", "Constant 1, labelled with this peer's software version, device, strategy and compression.",
             list(INFO_LABELS), registry=r,
@@ -236,6 +260,9 @@ class PeerMetrics:
         for reason in REJECTION_REASONS:
             self.rejected_downloads.labels(reason=reason)
         self.state_agrees.set(math.nan)
+        self.upload_budget_mbit.set(math.nan)
+        self.round_factor_requested.set(1)
+        self.round_factor.set(1)
         self.reducing.set(1)
         for reason in PAUSE_REASONS:
             self.paused.labels(reason=reason).set(0)
@@ -294,6 +321,16 @@ class PeerMetrics:
         reasons = set(reasons)
         for reason in PAUSE_REASONS:
             self.paused.labels(reason=reason).set(1 if reason in reasons else 0)
+
+    def set_round_length(self, factor: int, requested: int, budget_mbit: Optional[float]) -> None:
+        """The swarm's round factor at this peer's epoch, the one it asks for, and its upload budget (None: none)."""
+        self.round_factor.set(factor)
+        self.round_factor_requested.set(requested)
+        self.upload_budget_mbit.set(math.nan if budget_mbit is None else budget_mbit)
+
+    def set_upload_rate(self, mbit: float) -> None:
+        """What averaging uploaded over the last minute, in Mbit/s."""
+        self.upload_mbit.set(max(0.0, mbit))
 
     def record_pause(self, seconds: float) -> None:
         self.paused_seconds.inc(max(0.0, seconds))

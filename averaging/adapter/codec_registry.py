@@ -1,14 +1,15 @@
 """Our codecs on hivemind's wire: hivemind decodes a message by the name of its compression type, an enum of its
-own six; our codecs (averaging/codecs/lowbit.py) send ids above those, registered here under names of their own."""
+own six; our codecs (averaging/codecs/lowbit.py and sparse.py) send ids above those, registered here under names of
+their own."""
 from __future__ import annotations
 
 from hivemind.proto import runtime_pb2
 
-from averaging.codecs import lowbit
+from averaging.codecs import lowbit, sparse
 
 _CODEC_NAMES = {codec_id: f"SWARMTRAIN_{name.upper()}" for name, codec_id in lowbit.CODEC_IDS.items()}
 # each decodes any message of its id (its settings are in the message's header)
-_DECODERS = {"int8": lowbit.BlockwiseAbsmax(8), "int4": lowbit.BlockwiseAbsmax(4), "topk": lowbit.TopK()}
+_DECODERS = {"int8": lowbit.BlockwiseAbsmax(8), "int4": lowbit.BlockwiseAbsmax(4), "topk": sparse.TopK()}
 
 
 def register_codecs() -> None:

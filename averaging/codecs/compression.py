@@ -26,7 +26,8 @@ from hivemind.compression import (
 )
 from hivemind.utils.math import get_flatten_greedy_dims
 
-from averaging.codecs.lowbit import TOPK_FRACTION, BlockwiseAbsmax, TopK
+from averaging.codecs.lowbit import BlockwiseAbsmax
+from averaging.codecs.sparse import TOPK_CHUNK, TOPK_FRACTION, TOPK_VALUE_BITS, TopK
 from averaging.config import BITSANDBYTES_INSTALL, CODECS, AveragingConfig, bitsandbytes_available
 from averaging.registry import LOW_RANK, STATE, STRATEGIES
 
@@ -41,7 +42,8 @@ _FIXED = {
 
 
 def make_codec(name: str, adaptive_threshold: int = 2**16, adaptive_large_codec: str = "uint8",
-               topk_fraction: float = TOPK_FRACTION, topk_value_bits: int = 16) -> CompressionBase:
+               topk_fraction: float = TOPK_FRACTION, topk_value_bits: int = TOPK_VALUE_BITS,
+               topk_chunk: int = TOPK_CHUNK) -> CompressionBase:
     """The hivemind codec for a config name. Raises ValueError naming the choices for an unknown name."""
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
@@ -59,14 +61,14 @@ def make_codec(name: str, adaptive_threshold: int = 2**16, adaptive_large_codec:
     if name in ("int8", "int4"):
         return BlockwiseAbsmax(bits=int(name[3:]))
     if name == "topk":
-        return TopK(topk_fraction, value_bits=topk_value_bits)
+        return TopK(topk_fraction, value_bits=topk_value_bits, chunk=topk_chunk)
     return _FIXED[name]()
 
 
 def configured_codec(config: AveragingConfig, name: str) -> CompressionBase:
     """The codec `name` with the config's codec settings (the adaptive codec's, and top-k's)."""
     return make_codec(name, config.adaptive_compression_threshold, config.adaptive_large_codec, config.topk_fraction,
-                      config.topk_value_bits)
+                      config.topk_value_bits, config.topk_chunk)
 
 
 def codecs_from_config(config: AveragingConfig) -> dict:

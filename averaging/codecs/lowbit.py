@@ -1,28 +1,27 @@
-"""Low-bit codecs written here, in torch: blockwise int8 and int4 (absmax per block, packed) and top-k.
+"""Low-bit codecs written here, in torch: blockwise int8 and int4 (absmax per block, packed).
 
 They implement hivemind's CompressionBase, so an averager sends them like its own codecs.
 hivemind picks the decoder by the message's compression type, an enum with only its own six
 values: ours use ids above them (CODEC_IDS), which averaging/adapter/ registers.
 
-- int8 / int4: the flattened tensor is cut into blocks of BLOCK values; each block is sent as
-  its absolute maximum (fp32) and its values rounded to the nearest of 2*127+1 (int8) or 2*7+1
-  (int4) levels between -absmax and +absmax, two int4 values per byte. Outliers cost only their
-  own block's precision, unlike uint8's one range per tensor. Per fp32 value: 1.06 bytes (int8)
-  and 0.56 (int4), ratios of 0.27 and 0.14.
-- topk: the TOPK_FRACTION of values largest in magnitude, as int32 indices and fp16 values (6
-  bytes each), or with `value_bits=8` int8 values, blockwise as int8 above (5.06 bytes each);
-  the rest are sent as zeros. At 1%, a ratio of 0.015 (0.0127 with int8 values).
+The flattened tensor is cut into blocks of BLOCK values; each block is sent as its absolute
+maximum (fp32) and its values rounded to the nearest of 2*127+1 (int8) or 2*7+1 (int4) levels
+between -absmax and +absmax, two int4 values per byte. Outliers cost only their own block's
+precision, unlike uint8's one range per tensor. Per fp32 value: 1.06 bytes (int8) and 0.56
+(int4), ratios of 0.27 and 0.14.
+
+The top-k codec is averaging/codecs/sparse.py (its int8 values go as an int8 message of this
+module); its id is in CODEC_IDS with theirs.
 
 A reducer encodes each part's average once, with the codec its senders used, and sends those same
 bytes to every sender (averaging/adapter/runner.py), so every member decodes the same values; what
 that encoding loses is carried by the reducer's own error feedback (averaging/pipeline/error_feedback.py).
 
-Values that are not finite decode as 0 (int8 and int4: with the rest of their block): a peer's
-own guard drops such gradients before a round, so only a hostile peer sends them.
+Values that are not finite are sent as 0, with the rest of their block: a peer's own guard drops
+such gradients before a round, so only a hostile peer sends them.
 
-Every message starts with a small header (the block size, or the number of values kept), so
-that a receiver needs no setting of the sender's to decode it. This module must not touch the
-network or hivemind's internals.
+Every message starts with a small header (the block size), so that a receiver needs no setting
+of the sender's to decode it. This module must not touch the network or hivemind's internals.
 """
 from __future__ import annotations
 
@@ -36,9 +35,7 @@ from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.proto import runtime_pb2
 
 BLOCK = 64
-TOPK_FRACTION = 0.01
-_HEADER = struct.Struct("<I")  # block size (int8, int4) or values kept (topk)
-_INT8_VALUES = 2**31  # a topk header's flag: the kept values follow as an int8 message
+_HEADER = struct.Struct("<I")  # block size
 
 
 def _message(codec: "CompressionBase", tensor: torch.Tensor, body: bytes, header: int) -> runtime_pb2.Tensor:
@@ -101,48 +98,6 @@ class BlockwiseAbsmax(CompressionBase):
         return (self.bits / 8 + 4 / self.block) / info.descriptor.dtype.itemsize
 
 
-class TopK(CompressionBase):
-    """The `fraction` of values largest in magnitude (at least one), as int32 indices and fp16 (`value_bits`
-    16) or blockwise int8 (8) values."""
-
-    def __init__(self, fraction: float = TOPK_FRACTION, value_bits: int = 16):
-        if not 0 < fraction <= 1:
-            raise ValueError(f"fraction must be in (0, 1] (got {fraction})")
-        if value_bits not in (8, 16):
-            raise ValueError(f"value_bits must be 8 or 16 (got {value_bits})")
-        self.fraction, self.value_bits = fraction, value_bits
-        self.compression_type = CODEC_IDS["topk"]
-
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        values = torch.nan_to_num(tensor.detach().reshape(-1).to(torch.float32), nan=0.0, posinf=0.0, neginf=0.0)
-        kept = min(values.numel(), max(1, math.ceil(values.numel() * self.fraction)))
-        indices = values.abs().topk(kept, sorted=False).indices.sort().values  # sorted: compresses better
-        body = indices.to(torch.int32).numpy().tobytes()
-        if self.value_bits == 8:
-            quantized = _INT8.compress(values[indices], CompressionInfo.from_tensor(values[indices]))
-            return _message(self, tensor, body + quantized.buffer, kept | _INT8_VALUES)
-        return _message(self, tensor, body + values[indices].to(torch.float16).numpy().tobytes(), kept)
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        buffer = serialized_tensor.buffer
-        (kept,) = _HEADER.unpack_from(buffer)
-        int8_values, kept = bool(kept & _INT8_VALUES), kept & ~_INT8_VALUES
-        indices = np.frombuffer(buffer, dtype=np.int32, count=kept, offset=_HEADER.size)
-        offset = _HEADER.size + 4 * kept
-        if int8_values:
-            values = _INT8.extract(runtime_pb2.Tensor(buffer=buffer[offset:], size=[kept], dtype="float32"))
-        else:
-            values = torch.from_numpy(np.frombuffer(buffer, dtype=np.float16, count=kept, offset=offset)
-                                      .astype(np.float32))
-        dense = torch.zeros(math.prod(serialized_tensor.size), dtype=torch.float32)
-        dense[torch.from_numpy(indices.astype(np.int64))] = values
-        return _restore(serialized_tensor, dense)
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        per_value = 4 + (1 + 4 / BLOCK if self.value_bits == 8 else 2)
-        return per_value * self.fraction / info.descriptor.dtype.itemsize
-
-
 CODEC_IDS: Dict[str, int] = {"int8": 64, "int4": 65, "topk": 66}
-"""Compression type ids for hivemind's messages: above its own enum's (0..5), never reused."""
-_INT8 = BlockwiseAbsmax(8)  # topk's int8 values
+"""Compression type ids for hivemind's messages, of the codecs here and of top-k (averaging/codecs/sparse.py): above
+hivemind's own enum's (0..5), never reused."""

@@ -27,6 +27,11 @@ comes from the target batch (each peer takes about target / (peers x batch) inne
 peer that reaches H inner steps before the swarm reaches the target keeps counting its samples
 toward the target (so the swarm can never stall on it) but no longer updates its replica.
 
+The swarm's round factor k (averaging/strategies/round_length.py; upload budgets ask for it) makes a round k target
+batches long: the tracker's target is k x --target-batch-size, H counts per target batch, and a round's weight is
+its samples / k, so that the reducers' weight bounds, made for one target batch, hold at any k (the credit they
+observe of others is scaled back to samples: RoundKeeper.samples_per_weight).
+
 State lives in a hivemind TrainingStateAverager that owns the inner optimizer and the LR
 scheduler and carries the round-start params and the outer momentum as extra tensors, so
 load_state_from_peers brings params + outer momentum + inner optimizer state + epoch. A peer
@@ -52,7 +57,7 @@ from hivemind.optim.progress_tracker import ProgressTracker
 
 from averaging.adapter.state_averager import GuardedStateAverager
 from averaging.api import Replica, RoundReport
-from averaging.codecs.compression import configured_codec
+from averaging.codecs.compression import configured_codec, round_payload_bytes
 from averaging.config import AveragingConfig
 from averaging.deadlines import AdaptiveDeadlines, Deadlines
 from averaging.pipeline.error_feedback import ErrorFeedback
@@ -62,6 +67,7 @@ from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.membership import SharesState, join_or_terminate, step_scheduler_to
 from averaging.strategies.outer import OuterRound, collect_round, launch_round, outer_nesterov_step_
 from averaging.strategies.parts import StrategyParts
+from averaging.strategies.round_length import RoundLengthKeeper
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
 from averaging.swarm import progress
 
@@ -108,7 +114,13 @@ class DiLoCoOptimizer(SharesState):
         )
         progress.believe_plausible_claims(self.tracker, self.signing_key, matchmaking_floor,
                                           excluded=self.rounds.excluded_peer_ids,
-                                          evidence=weight_bound.evidence if weight_bound else None)
+                                          evidence=weight_bound.evidence if weight_bound else None,
+                                          longest_round=config.max_round_factor)
+        self.round_length = RoundLengthKeeper(config, dht, keys.round_factors, self.rounds.hooks,
+                                              round_payload_bytes(config, self.main_parameters),
+                                              excluded=self.rounds.excluded_peers,
+                                              ttl_seconds=self.tracker.metadata_expiration,
+                                              subkey=progress.owner(self.signing_key))
         self.state_averager = GuardedStateAverager(
             serve=self.rounds.hooks.serve_state,
             dht=dht,
@@ -150,6 +162,9 @@ class DiLoCoOptimizer(SharesState):
         # peers agree on the outer state (round-start parameters and outer momentum), served after the parameters
         count = len(self.main_parameters)
         self._start_agreement(agreement, slice(count, 3 * count))
+        self.round_length.start()
+        with self.tracker.pause_updates():
+            self.round_length.enter(self.local_epoch, self.tracker, trained=False)
 
     # --- the Protocols, beyond what SharesState already offers ------------------------------
 
@@ -177,14 +192,16 @@ class DiLoCoOptimizer(SharesState):
         if self._should_load_state_from_peers():
             self.load_state_from_peers()
             return  # these gradients were computed on parameters that were just replaced
-        if self._inner_steps < self.config.diloco_inner_steps:
+        self.round_length.stepping()
+        inner_steps = self.config.diloco_inner_steps * self.round_length.factor
+        if self._inner_steps < inner_steps:
             self.inner_optimizer.step()
             self._inner_steps += 1
             self._samples_stepped += batch_size
-        elif self._inner_steps == self.config.diloco_inner_steps:
+        elif self._inner_steps == inner_steps:
             self._inner_steps += 1  # log once per round
-            logger.info(f"reached --diloco-inner-steps {self.config.diloco_inner_steps} before the swarm reached "
-                        f"--target-batch-size; counting samples only until the round starts")
+            logger.info(f"reached {inner_steps} inner steps (--diloco-inner-steps x the round factor) before the "
+                        f"swarm reached the round's target batch; counting samples only until the round starts")
         self._samples += batch_size
         self.tracker.report_local_progress(self.local_epoch, self._samples)
         if self.tracker.ready_to_update_epoch:
@@ -211,7 +228,7 @@ class DiLoCoOptimizer(SharesState):
             if self.tracker.global_epoch - 1 <= self.local_epoch < self.tracker.global_epoch:
                 self.state_averager.local_epoch = self.tracker.global_epoch
                 step_scheduler_to(self.scheduler, self.local_epoch)
-            self._start_next_round()
+            self._start_next_round(trained=False)
         if loaded:
             progress.served(self.tracker, self.local_epoch)
         self.rounds.report_download(loaded, self.local_epoch)
@@ -246,6 +263,8 @@ class DiLoCoOptimizer(SharesState):
                     mine.copy_(saved)
         if self.error_feedback is not None:
             self.error_feedback.load_state_dict((outer or {}).get("error_feedback"))
+        with self.tracker.pause_updates():
+            self.round_length.enter(self.local_epoch, self.tracker, trained=False)
         self.tracker.report_local_progress(self.local_epoch, 0)
 
     def wait_for_background_updates(self) -> None:
@@ -266,6 +285,7 @@ class DiLoCoOptimizer(SharesState):
         with self.tracker.pause_updates():
             self._load_round_start_into_model()
             self._inner_steps = self._samples = self._samples_stepped = 0
+            self.round_length.paused()
             progress.stand_idle(self.tracker, self.local_epoch)
 
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
@@ -276,12 +296,14 @@ class DiLoCoOptimizer(SharesState):
             if averager.is_alive():
                 averager.shutdown()
         join_or_terminate((self.state_averager, self.grad_averager), timeout_seconds)
+        self.round_length.close()
         self.rounds.close()
 
     # --- one outer round -----------------------------------------------------------------------
 
     def _outer_round(self) -> None:
         report = None
+        self.round_length.round_begins()
         with self.tracker.pause_updates():
             if self._flight is not None:  # the previous round must land before this one is measured from it
                 with self.rounds.phase("averaging"):
@@ -304,7 +326,7 @@ class DiLoCoOptimizer(SharesState):
                     self._load_round_start_into_model()
                 self.state_averager.local_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
                 step_scheduler_to(self.scheduler, self.local_epoch)
-                self._start_next_round()
+                self._start_next_round(trained=True)
         if report is not None:
             self._round_finished(report)
 
@@ -338,13 +360,17 @@ class DiLoCoOptimizer(SharesState):
             self.state_averager.allow_state_sharing = True
 
     def _launch(self, pseudo_grads: List[torch.Tensor]) -> OuterRound:
-        # weighted like the sync strategy's gradients: by the samples this peer took inner steps on
-        return launch_round(self.grad_averager, pseudo_grads, weight=float(max(1, self._samples_stepped)),
+        # weighted like the sync strategy's gradients: by the samples this peer took inner steps on, per target batch
+        weight = float(max(1, self._samples_stepped)) / self.round_length.factor
+        self.rounds.samples_per_weight = float(self.round_length.factor)  # what the reducers credit others with
+        return launch_round(self.grad_averager, pseudo_grads, weight=weight,
                             timeout_seconds=self._deadlines.averaging_timeout_seconds, alone=not self._others_present(),
                             before_round=lambda: self.rounds.hooks.before_round(self.local_epoch))
 
     def _collect(self, flight: OuterRound) -> Tuple[RoundReport, List[torch.Tensor]]:
-        return collect_round(self.grad_averager, flight)
+        report, averaged = collect_round(self.grad_averager, flight)
+        self.round_length.round_measured(report)
+        return report, averaged
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -359,9 +385,11 @@ class DiLoCoOptimizer(SharesState):
             return self.local_epoch != self.tracker.global_epoch
         return self.local_epoch < self.tracker.global_epoch - 1
 
-    def _start_next_round(self) -> None:
-        """Reset the round's counters and tell the swarm (caller holds tracker.pause_updates())."""
+    def _start_next_round(self, trained: bool) -> None:
+        """Reset the round's counters, take the epoch's round factor and tell the swarm (caller holds
+        tracker.pause_updates()); `trained`: through this peer's own round."""
         self._inner_steps = self._samples = self._samples_stepped = 0
+        self.round_length.enter(self.local_epoch, self.tracker, trained)
         self.tracker.update_epoch(new_epoch=self.local_epoch)
         self._check_sync_on_next_step = True
         self.rounds.entered_epoch()

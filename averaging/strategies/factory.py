@@ -49,8 +49,9 @@ def build_swarm_optimizer(
     book = ExclusionBook(ExclusionRule(config.exclude_after, config.exclude_window, config.exclusion_seconds))
     hooks = replica.hooks
     exclusion = ExclusionWatch(defence, book, on_drop=hooks.contribution_dropped, on_exclude=hooks.peer_excluded,
-                               on_credit=lambda credits: [hooks.contribution_accepted(credit.peer, credit.samples)
-                                                          for credit in credits])
+                               on_credit=lambda credits: [
+                                   hooks.contribution_accepted(credit.peer, credit.samples * rounds.samples_per_weight)
+                                   for credit in credits])
     rounds = RoundKeeper(replica.hooks, _deadlines(config), exclusion=exclusion)
     strategy = STRATEGIES[config.strategy]
     agreement = None

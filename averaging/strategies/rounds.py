@@ -67,12 +67,21 @@ class RoundKeeper:
         self.downloaded_at_epoch: Optional[int] = None  # the epoch of the last state this peer downloaded
         self.role = ReducerRole()
         self.clock = time.monotonic
+        self.samples_per_weight = 1.0
+        """What one unit of a round's weight stands for in samples, for the credit the reducers observe (DiLoCo's
+        weights are per target batch of its round: its round factor)."""
 
     def excluded_peer_ids(self) -> frozenset:
         """The peers excluded so far, as peer id bytes (as in their progress records)."""
         if self.exclusion is None:
             return frozenset()
         return frozenset(peer.to_bytes() for peer in self.exclusion.defence.excluded())
+
+    def excluded_peers(self) -> frozenset:
+        """The peers excluded or refused so far, as base58 ids."""
+        if self.exclusion is None:
+            return frozenset()
+        return frozenset(peer.to_base58() for peer in self.exclusion.defence.excluded())
 
     def refuse(self, peers: Iterable[str]) -> None:
         """Refuse these peers (base58) in matchmaking and state sharing for the rest of the run."""

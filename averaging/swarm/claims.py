@@ -56,11 +56,14 @@ RATE_MEMORY_SECONDS = 60.0
 class ClaimFilter:
     def __init__(self, own_owner: bytes, target_batch_size: int, max_ttl_seconds: float,
                  max_clock_skew_seconds: float = 60.0, excluded: Callable[[], Collection[bytes]] = frozenset,
-                 believed: Optional[Callable[[Dict[str, tuple]], None]] = None):
+                 believed: Optional[Callable[[Dict[str, tuple]], None]] = None, longest_round: int = 1):
         """:param excluded: the peer ids (bytes) this peer has excluded, asked afresh at each fetch
         :param believed: told after each fetch what the other peers' believed records say, by peer id (hex):
-            (samples accumulated, samples per second, when written, by this machine's clock)"""
+            (samples accumulated, samples per second, when written, by this machine's clock)
+        :param longest_round: the most target batches one epoch can take (DiLoCo's --max-round-factor): honest
+            samples in one epoch reach that many times the target"""
         self.own_owner, self.target_batch_size, self.excluded = own_owner, target_batch_size, excluded
+        self.longest_round = max(1, longest_round)
         self.believed = believed
         self.clock_offset = 0.0  # the swarm's clock minus ours, when ours is found wrong
         self.max_ttl_seconds, self.max_clock_skew_seconds = max_ttl_seconds, max_clock_skew_seconds
@@ -144,8 +147,8 @@ class ClaimFilter:
                 value["time"])
         except (KeyError, TypeError, ValueError):
             return None  # hivemind's schema validator rejects malformed records; nothing to decide here
-        if samples > MAX_TARGETS_OF_SAMPLES * self.target_batch_size:
-            return f"{samples} samples claimed in one epoch of {self.target_batch_size}"
+        if samples > MAX_TARGETS_OF_SAMPLES * self.target_batch_size * self.longest_round:
+            return f"{samples} samples claimed in one epoch of {self.target_batch_size * self.longest_round} at most"
         if not rate <= MAX_SAMPLES_PER_SECOND:
             return f"a rate of {rate:g} samples/s"
         if written > now + self.max_clock_skew_seconds:

@@ -40,10 +40,14 @@ def swarm_view(tracker: ProgressTracker, refresh_timeout_seconds: Optional[float
     )
 
 
+def owner(key: RSAPrivateKey) -> bytes:
+    """The subkey that records signed with `key` are stored in (a tracker's own: see signing_key)."""
+    return RSASignatureValidator(key).local_public_key
+
+
 def announce(tracker: ProgressTracker, key: RSAPrivateKey) -> None:
     """Store the tracker's local record now, in the subkey the tracker itself writes to."""
-    owner = RSASignatureValidator(key).local_public_key
-    tracker.dht.store(tracker.training_progress_key, subkey=owner, value=tracker.local_progress.dict(),
+    tracker.dht.store(tracker.training_progress_key, subkey=owner(key), value=tracker.local_progress.dict(),
                       expiration_time=get_dht_time() + tracker.metadata_expiration)
 
 
@@ -68,17 +72,19 @@ def clock_skew_allowed(matchmaking_seconds: float) -> float:
 
 def believe_plausible_claims(tracker: ProgressTracker, key: RSAPrivateKey, matchmaking_seconds: float,
                              excluded: Callable[[], Collection[bytes]] = frozenset,
-                             evidence: Optional[SampleEvidence] = None) -> None:
+                             evidence: Optional[SampleEvidence] = None, longest_round: int = 1) -> None:
     """From its next fetch on, the tracker reads only the records a ClaimFilter believes (never its own), and
-    shares what they say with the reducers that bound weights by it (`evidence`).
+    shares what they say with the reducers that bound weights by it (`evidence`). `longest_round`: the most target
+    batches an epoch can take (DiLoCo's --max-round-factor).
 
     A peer whose clock is more than clock_skew_allowed ahead of ours writes records that are not believed,
     so it cannot drive the swarm's epochs.
     """
     skew = clock_skew_allowed(matchmaking_seconds)
-    tracker.claims = ClaimFilter(RSASignatureValidator(key).local_public_key, tracker.target_batch_size,
+    tracker.claims = ClaimFilter(owner(key), tracker.target_batch_size,
                                  max_ttl_seconds=tracker.metadata_expiration + skew, max_clock_skew_seconds=skew,
-                                 excluded=excluded, believed=evidence.record if evidence is not None else None)
+                                 excluded=excluded, believed=evidence.record if evidence is not None else None,
+                                 longest_round=longest_round)
 
 
 def served(tracker: ProgressTracker, epoch: int, refresh_timeout_seconds: float = 2.0) -> None:

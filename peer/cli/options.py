@@ -42,9 +42,10 @@ TUNING = frozenset({
     "matchmaking_seconds_min", "matchmaking_seconds_max", "averaging_timeout_seconds_min",
     "averaging_timeout_seconds_max", "load_state_timeout_seconds", "min_peers_timeout_seconds",
     "load_state_compression", "adaptive_compression_threshold", "adaptive_large_codec", "topk_fraction",
-    "topk_value_bits", "robust_norm_ratio", "robust_min_cosine", "robust_trim_fraction", "robust_max_weight_share",
+    "topk_value_bits", "topk_chunk", "robust_norm_ratio", "robust_min_cosine", "robust_trim_fraction",
+    "robust_max_weight_share",
     "exclude_after", "exclude_window", "exclusion_seconds", "harmful_update_rise", "harmful_updates",
-    "harmful_update_window", "straggler_grace_min_seconds",
+    "harmful_update_window", "straggler_grace_min_seconds", "max_round_factor",
     "keep_checkpoints", "health_window_seconds", "log_format", "yield_cpu_share", "yield_gpu_share",
     "yield_after_seconds", "resume_after_quiet_seconds", "tokenizer", "seq_len", "init_from",
 })

@@ -137,8 +137,10 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> 
     peers = [describe_peer(info, now) for info in sorted(latest.values(), key=lambda info: info.peer_id)]
     # the run's own target, from its manifest: the reader's --target-batch-size is only a fallback
     target = manifest.settings.get("target_batch_size") if manifest is not None else None
-    swarm = swarm_totals(progress, target if isinstance(target, int) and target > 0 else
-                         config.averaging.target_batch_size, dht_now)
+    target = target if isinstance(target, int) and target > 0 else config.averaging.target_batch_size
+    factor = round_factor(peers)
+    swarm = swarm_totals(progress, target * factor, dht_now)
+    swarm["round_factor"] = factor
     swarm["run_id"] = run_id
     swarm["peers"] = len(peers)
     swarm["samples_per_second"] = round(float(sum(peer["samples_per_second"] for peer in peers)), 3)
@@ -148,6 +150,14 @@ def read_swarm(dht, config: PeerConfig, timeout_seconds: float, claims=None) -> 
         manifest = {"protocol": manifest.protocol, "settings": manifest.settings, "owner": fingerprint(manifest.owner),
                     "held_by_peers": sum(1 for copy in held_by_peers(copies, infos).values() if copy == manifest)}
     return {"swarm": swarm, "peers": peers, "manifest": manifest, "contributors": contributors(latest.values())}
+
+
+def round_factor(peers: List[Dict[str, Any]]) -> int:
+    """The swarm's round factor (DiLoCo): what the peers at the newest epoch their records show apply (1 for other
+    strategies). Records are a few seconds old: the progress records' epoch may be ahead of theirs."""
+    with_factor = [peer for peer in peers if peer.get("round_factor") is not None]
+    newest = max((peer["epoch"] for peer in with_factor), default=None)
+    return max((peer["round_factor"] for peer in with_factor if peer["epoch"] == newest), default=1)
 
 
 def claim_filter(config: PeerConfig):
@@ -160,7 +170,7 @@ def claim_filter(config: PeerConfig):
     averaging = config.averaging
     skew = max(MIN_CLOCK_SKEW_SECONDS, averaging.seconds("matchmaking_seconds") or averaging.matchmaking_seconds_min)
     return ClaimFilter(b"", averaging.target_batch_size, max_ttl_seconds=progress_record_ttl_seconds(averaging) + skew,
-                       max_clock_skew_seconds=skew)
+                       max_clock_skew_seconds=skew, longest_round=averaging.max_round_factor)
 
 
 def read_progress(dht, progress_key: str, timeout_seconds: float, claims=None) -> List[Any]:
@@ -219,6 +229,9 @@ def describe_peer(info, now: float) -> Dict[str, Any]:
         "val_loss": info.val_loss,
         "state": info.state,
         "paused": list(info.paused),
+        "upload_budget_mbit": info.upload_budget_mbit,
+        "round_factor_requested": info.round_factor_requested,
+        "round_factor": info.round_factor,
         "uptime_seconds": round(info.uptime_seconds, 1),
         "last_seen_seconds": round(max(0.0, now - info.time), 1),
     }
@@ -233,12 +246,12 @@ def print_table(report: Dict[str, Any], clear: bool = False) -> None:
         console = Console(width=120)
     table = Table(title=f"swarm {swarm['run_id']}", title_justify="left")
     for column, justify in [("peer", "left"), ("device", "left"), ("samples/s", "right"), ("epoch", "right"),
-                            ("bottleneck", "left"), ("state", "left"), ("last seen", "right")]:
+                            ("round", "left"), ("bottleneck", "left"), ("state", "left"), ("last seen", "right")]:
         table.add_column(column, justify=justify, no_wrap=column != "device")
     for peer in report["peers"]:
         table.add_row(
             peer["short_id"] + (" (client)" if peer["client_mode"] else ""), peer["device"],
-            f"{peer['samples_per_second']:.1f}", str(peer["epoch"]), peer["bottleneck"] or "-",
+            f"{peer['samples_per_second']:.1f}", str(peer["epoch"]), describe_round(peer), peer["bottleneck"] or "-",
             ("paused: " + ", ".join(peer["paused"])) if peer["paused"] else
             {"agrees": "the swarm's", "apart": "apart"}.get(peer["state"], "-"),
             f"{peer['last_seen_seconds']:.0f}s ago",
@@ -247,8 +260,10 @@ def print_table(report: Dict[str, Any], clear: bool = False) -> None:
     if clear:
         console.clear()
     console.print(table)
+    factor = swarm.get("round_factor", 1)
     console.print(f"swarm: {swarm['peers']} peers, {swarm['samples_per_second']:.1f} samples/s, "
-                  f"global epoch {swarm['global_epoch']}")
+                  f"global epoch {swarm['global_epoch']}"
+                  + (f", rounds of {factor} x the target batch (the round factor)" if factor > 1 else ""))
     console.print(f"next epoch: {swarm['samples_accumulated']}/{swarm['target_batch_size']} samples "
                   f"({swarm['progress']:.0%}), ETA {'unknown' if eta is None else f'~{eta:.0f}s'}")
     print_contributors(console, report.get("contributors") or [])
@@ -259,6 +274,19 @@ def print_table(report: Dict[str, Any], clear: bool = False) -> None:
         settings = ", ".join(f"{name} {value}" for name, value in sorted(manifest["settings"].items()))
         console.print(f"manifest (protocol {manifest['protocol']}, signed by run owner {manifest['owner']}, held by "
                       f"{manifest['held_by_peers']} live peers): {settings}", soft_wrap=True)
+
+
+def describe_round(peer: Dict[str, Any]) -> str:
+    """A peer's round factor, what it asks for and its upload budget, e.g. "x2, asks x4, 10 Mbit/s" ("-": none)."""
+    factor = peer.get("round_factor")
+    if factor is None:
+        return "-"
+    words = [f"x{factor}"]
+    if peer.get("upload_budget_mbit") is not None:  # without a budget it asks for 1
+        if peer.get("round_factor_requested") not in (None, factor):
+            words.append(f"asks x{peer['round_factor_requested']}")
+        words.append(f"{peer['upload_budget_mbit']:g} Mbit/s")
+    return ", ".join(words)
 
 
 def print_contributors(console, rows: List[Dict[str, Any]]) -> None:

@@ -258,7 +258,15 @@ class PeerBuilder:
         """Publishes this peer's PeerInfo every few seconds (what `peer status` and the monitor show), and its
         clock record (dht/clock.py)."""
         started, device, classifier = time.monotonic(), describe_device(trainer.device), monitoring.classifier
-        optimizer = trainer.session.optimizer
+        optimizer, rounds = trainer.session.optimizer, trainer.rounds
+
+        def round_length() -> dict:  # DiLoCo's, for peer status and the monitor's page
+            length = rounds.round_length
+            if length is None:
+                return {}
+            return dict(upload_budget_mbit=length.budget_mbit, round_factor_requested=length.requested,
+                        round_factor=length.factor)
+
         publisher = PeerInfoPublisher(dht, self.config.training.run_id, lambda: PeerInfo(
             peer_id=str(dht.peer_id),
             version=__version__,
@@ -274,6 +282,7 @@ class PeerBuilder:
             state=trainer.rounds.state,
             paused=sorted(trainer.pauser.gate.reasons()) if trainer.pauser else [],
             credit=trainer.rounds.credit.record(),
+            **round_length(),
         ))
         publisher.start()
         self.stack.callback(publisher.stop)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from averaging.api import AveragingHooks, LoopOptimizer, RoundReport
+from averaging.api import AveragingHooks, LoopOptimizer, RoundLength, RoundReport
 from averaging.codecs.compression import bytes_moved
 from averaging.pipeline.update_check import UpdateCheck, refused_peers_line
 from monitoring import PhaseTimer
@@ -31,6 +31,7 @@ class RoundTally:
         self.update_check = update_check  # None: averaged updates are not judged
         self.last_outcome: Optional[str] = None
         self.state: Optional[str] = None  # "agrees" or "apart": the last comparison with the swarm's state
+        self.round_length: Optional[RoundLength] = None  # DiLoCo's, as of the last epoch this peer entered
 
     def hooks(self, timer: PhaseTimer, faults: Optional[FaultInjector] = None) -> AveragingHooks:
         faults = faults or FaultInjector()
@@ -39,7 +40,7 @@ class RoundTally:
                               before_round=faults.before_round, guards_gradients=faults.guards_gradients,
                               serve_state=faults.serve_state_hook(), state_checked=self.on_state_check,
                               download_rejected=self.on_download_rejected, reducing_changed=self.on_reducing_changed,
-                              contribution_accepted=self.credit.observed)
+                              contribution_accepted=self.credit.observed, round_length=self.on_round_length)
 
     def on_round(self, report: RoundReport) -> None:
         self.last_outcome = report.outcome
@@ -52,6 +53,12 @@ class RoundTally:
         if self.update_check is not None:
             self.update_check.round_finished(report)
         self.observer.on_round(report, self.payload_bytes)
+
+    def on_round_length(self, length: RoundLength) -> None:
+        self.round_length = length
+        self.summary.upload_budget_mbit = length.budget_mbit
+        self.summary.round_factor_requested, self.summary.round_factor = length.requested, length.factor
+        self.observer.on_round_length(length)
 
     def on_reducing_changed(self, reduces: bool) -> None:
         if not reduces:

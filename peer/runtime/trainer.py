@@ -307,7 +307,8 @@ class Trainer:
 
     def _report_swarm(self) -> None:
         view = self.optimizer.swarm_view()
-        self.display.update(view.samples_accumulated, self.optimizer.local_epoch, view.swarm_samples_per_second)
+        self.display.update(view.samples_accumulated, self.optimizer.local_epoch, view.swarm_samples_per_second,
+                            view.target_batch_size)
         self.observer.on_swarm(view.peers, view.swarm_samples_per_second, view.progress_ratio)
 
     def _finish_epoch(self, stats: EpochStats) -> None:

@@ -128,9 +128,14 @@ class ProgressDisplay:
         else:
             print(line, flush=True)
 
-    def update(self, samples_accumulated: int, epoch: int, swarm_samples_per_second: float = 0.0) -> None:
+    def update(self, samples_accumulated: int, epoch: int, swarm_samples_per_second: float = 0.0,
+               target_batch_size: Optional[int] = None) -> None:
+        """`target_batch_size`: the epoch's own (DiLoCo's round factor lengthens it), if not the configured one."""
         if self._progress is None:
             return
+        if target_batch_size is not None and target_batch_size != self.target:
+            self.target = target_batch_size
+            self._progress.update(self._bar, total=target_batch_size)
         done = min(samples_accumulated, self.target)
         rate, eta = "?", "?"
         if swarm_samples_per_second > 0:

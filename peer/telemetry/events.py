@@ -100,6 +100,30 @@ class ReducingChanged(Event):
     reduces: bool
 
 
+class RoundFactorChanged(Event):
+    """The swarm's round factor changed at `epoch` (DiLoCo): outer rounds are `factor` x --target-batch-size samples
+    from there on (averaging/swarm/round_factor.py)."""
+
+    event: Literal["round_factor"] = "round_factor"
+    epoch: int
+    factor: int
+    previous: int
+    requested: int
+    """What this peer asks for (1 without --max-upload-mbit)."""
+
+
+class UploadBudgetUnmet(Event):
+    """Not even the longest round the swarm allows keeps this peer's averaging within --max-upload-mbit (said once,
+    and again only after it was met in between)."""
+
+    event: Literal["upload_budget_unmet"] = "upload_budget_unmet"
+    epoch: int
+    budget_mbit: float
+    needed_mbit: float
+    """What averaging sends at the longest round, in Mbit/s."""
+    max_round_factor: int
+
+
 class CheckpointWritten(Event):
     event: Literal["checkpoint"] = "checkpoint"
     epoch: int
@@ -209,7 +233,7 @@ class Exited(Event):
 AnyEvent = Annotated[
     Union[Ready, Joined, StateDownloaded, EpochEnded, RoundEnded, CheckpointWritten, BottleneckChanged,
           PeerExcluded, UpdatesRefused, StateChecked, DownloadRejected, ReducingChanged, SwarmSplit, SwarmRejoined,
-          Paused, Resumed, Leaving, Exited],
+          Paused, Resumed, Leaving, Exited, RoundFactorChanged, UploadBudgetUnmet],
     Field(discriminator="event"),
 ]
 _ANY_EVENT = TypeAdapter(AnyEvent)

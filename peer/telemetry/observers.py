@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Dict, List, Optional
 
-from averaging.api import RoundReport
+from averaging.api import RoundLength, RoundReport
+from averaging.budget import UploadMeter
 from averaging.codecs.compression import bytes_moved
 from monitoring import BottleneckClassifier, HealthCheck, PeerMetrics
 from monitoring.classifier import BottleneckChange
@@ -25,11 +26,13 @@ from peer.telemetry.events import (
     ReducingChanged,
     Resumed,
     RoundEnded,
+    RoundFactorChanged,
     StateChecked,
     StateDownloaded,
     SwarmRejoined,
     SwarmSplit,
     UpdatesRefused,
+    UploadBudgetUnmet,
 )
 from peer.telemetry.reports import EpochReport, TrainingObserver
 
@@ -44,6 +47,7 @@ class MetricsObserver(TrainingObserver):
         self.metrics, self.classifier, self.health = metrics, classifier, health
         self.on_bottleneck = on_bottleneck
         self._next_classification = 0.0
+        self.upload = UploadMeter(started=time.monotonic())
 
     def on_joined(self, epoch: int, peers: int, val_loss: Optional[float]) -> None:
         self._set_epoch(epoch, val_loss)
@@ -58,6 +62,7 @@ class MetricsObserver(TrainingObserver):
             fractions = self.classifier.fractions()
             self.metrics.set_bottleneck(fractions, self.classifier.dominant)
             self.metrics.update_gpu_memory()
+            self.metrics.set_upload_rate(self.upload.mbit(now))
             if change is not None:
                 self.on_bottleneck(change, fractions)
 
@@ -73,6 +78,12 @@ class MetricsObserver(TrainingObserver):
         moved = bytes_moved(payload_bytes, report.group_size, report.outcome)
         self.metrics.record_round(report.outcome, report.seconds, report.group_size, moved, moved,
                                   left_out=report.left_out > 0)
+        now = time.monotonic()
+        self.upload.record(now, moved)
+        self.metrics.set_upload_rate(self.upload.mbit(now))
+
+    def on_round_length(self, length: RoundLength) -> None:
+        self.metrics.set_round_length(length.factor, length.requested, length.budget_mbit)
 
     def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:
         self.metrics.set_swarm(peers, samples_per_second, progress_ratio)
@@ -118,6 +129,7 @@ class EventsObserver(TrainingObserver):
 
     def __init__(self, events: EventLog):
         self.events = events
+        self._round_length: Optional[RoundLength] = None
 
     def on_joined(self, epoch: int, peers: int, val_loss: Optional[float]) -> None:
         self.events.emit(Joined(epoch=epoch, peers=peers, val_loss=val_loss))
@@ -135,6 +147,17 @@ class EventsObserver(TrainingObserver):
 
     def on_state_loaded(self, epoch: int) -> None:
         self.events.emit(StateDownloaded(epoch=epoch))
+
+    def on_round_length(self, length: RoundLength) -> None:
+        last, self._round_length = self._round_length, length
+        previous = last.factor if last is not None else 1
+        if length.factor != previous:
+            self.events.emit(RoundFactorChanged(epoch=length.epoch, factor=length.factor, previous=previous,
+                                                requested=length.requested))
+        if not length.meets_budget and (last is None or last.meets_budget) and length.budget_mbit is not None:
+            self.events.emit(UploadBudgetUnmet(epoch=length.epoch, budget_mbit=length.budget_mbit,
+                                               needed_mbit=round(length.needed_mbit or 0.0, 6),
+                                               max_round_factor=length.max_factor))
 
     def on_checkpoint(self, epoch: int, path: Optional[str], problem: str = "") -> None:
         self.events.emit(CheckpointWritten(epoch=epoch, ok=path is not None, path=path, problem=problem))
@@ -202,6 +225,10 @@ class Observers(TrainingObserver):
     def on_state_loaded(self, epoch: int) -> None:
         for observer in self.observers:
             observer.on_state_loaded(epoch)
+
+    def on_round_length(self, length: RoundLength) -> None:
+        for observer in self.observers:
+            observer.on_round_length(length)
 
     def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None:
         for observer in self.observers:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from averaging.api import RoundReport
+from averaging.api import RoundLength, RoundReport
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,9 @@ class TrainingObserver:
     def on_round(self, report: RoundReport, payload_bytes: int) -> None: ...
 
     def on_state_loaded(self, epoch: int) -> None: ...
+
+    def on_round_length(self, length: RoundLength) -> None:
+        """As it enters an epoch (DiLoCo): the swarm's round factor, what this peer asks for, and its upload budget."""
 
     def on_swarm(self, peers: int, samples_per_second: float, progress_ratio: float) -> None: ...
 

@@ -60,6 +60,12 @@ class PeerSummary(BaseModel):
     """Rounds in which this peer's contribution came after its group's grace window and was left out."""
     stood_aside: int = 0
     """Times this peer stopped reducing parts of the average for others because it was too slow for them."""
+    upload_budget_mbit: Optional[float] = None
+    """--max-upload-mbit (DiLoCo); None: no budget."""
+    round_factor_requested: Optional[int] = None
+    """The round factor its budget last asked the swarm for (1 without a budget); None: a strategy without one."""
+    round_factor: Optional[int] = None
+    """The swarm's round factor at its last epoch: its outer rounds were this many target batches long."""
     credit_samples: int = 0
     """Samples this peer gave: accumulated toward epochs whose round it averaged in (peer/runtime/credit.py)."""
     pauses: int = 0

@@ -16,6 +16,7 @@ from averaging.config import AveragingConfig
 from averaging.pipeline import round_pipeline
 from averaging.pipeline.error_feedback import ErrorFeedback, encode_with_feedback
 from averaging.strategies.factory import build_swarm_optimizer
+from benchmarks.diloco_recipes import allreduce_through_codec
 from dht.keys import SwarmKeys
 from tests.inprocess.test_averaging import make_diloco, run_in_threads, start_dhts
 from tests.inprocess.test_lowbit import gradient_like, round_trip
@@ -106,6 +107,29 @@ def test_a_part_whose_reducer_failed_keeps_this_peers_values_and_its_old_residua
     assert container.failed_size == 512
 
 
+@pytest.mark.parametrize("name", ["int4", "topk"])
+def test_both_legs_carry_their_loss_so_that_many_rounds_apply_the_true_average(name):
+    """Two senders and a reducer for 200 rounds, the daemon's all-reduce arithmetic in one process
+    (benchmarks/diloco_recipes.py): what every member applies, summed over the rounds, tracks the sum of the
+    true averages ever more closely, and neither leg's residual grows without bound."""
+    codec = make_codec(name, topk_fraction=0.05) if name == "topk" else make_codec(name)
+    size, peers, rounds = 4096, 2, 200
+    sent = [torch.zeros(size) for _ in range(peers)]
+    replied = [torch.zeros(size) for _ in range(peers)]
+    applied, true, errors, residual_norms = torch.zeros(size), torch.zeros(size), {}, []
+    for round_index in range(rounds):
+        contributions = [gradient_like(size, seed=peers * round_index + i) for i in range(peers)]
+        average, _ = allreduce_through_codec(contributions, codec, sent, replied)
+        applied += average
+        true += sum(contributions) / peers
+        if round_index + 1 in (20, 200):
+            errors[round_index + 1] = float((applied - true).norm() / true.norm())
+        residual_norms.append(float(sum(r.norm() for r in [*sent, *replied])))
+    assert errors[200] < errors[20] / 2, errors
+    # what is owed never grows past a few rounds' worth of contributions
+    assert max(residual_norms[100:]) < 2 * max(residual_norms[:100]), (residual_norms[:5], residual_norms[-5:])
+
+
 def test_residuals_survive_a_checkpoint_and_a_bad_one_starts_from_zero():
     feedback = ErrorFeedback()
     feedback.prepare([torch.zeros(3), torch.zeros(2, 2)])
@@ -184,9 +208,8 @@ def test_two_averagers_with_int4_and_error_feedback_agree_and_carry_the_loss_int
     for feedback in feedbacks:  # each peer reduced one tensor itself (nothing lost sending it) and sent the other
         norms = sorted(float(residual.norm()) for residual in feedback.residuals)
         assert norms[0] == 0.0 and norms[1] > 0.0
-        # and replied in int4 for the one it reduced: what that lost is its reply residual there, and only there
-        reply_norms = sorted(float(residual.norm()) for residual in feedback.reply_residuals)
-        assert reply_norms[0] == 0.0 and reply_norms[1] > 0.0
+    for tensor_index in range(2):  # and whoever reduced a tensor replied in int4: what that lost is owed there
+        assert any(float(feedback.reply_residuals[tensor_index].norm()) > 0 for feedback in feedbacks)
     # what was lost in round 1 was sent in round 2: the two rounds together are twice the mean, less what the
     # last round lost on both legs (without error feedback each round's loss would be applied for good)
     for tensor_index in range(2):

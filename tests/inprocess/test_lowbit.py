@@ -1,4 +1,5 @@
-"""The low-bit codecs written here (averaging/codecs/lowbit.py): round trips, packing, and decoding by hivemind."""
+"""The low-bit codecs written here (averaging/codecs/lowbit.py): round trips, packing, and decoding by hivemind (with
+top-k's, averaging/codecs/sparse.py, whose own tests are tests/unit/test_topk.py)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +10,7 @@ from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 
 from averaging import adapter
 from averaging.codecs.compression import make_codec, payload_bytes
-from averaging.codecs.lowbit import BLOCK, CODEC_IDS, BlockwiseAbsmax, TopK
+from averaging.codecs.lowbit import BLOCK, CODEC_IDS, BlockwiseAbsmax
 from tests.inprocess.test_robust_allreduce import average_all, averagers
 
 
@@ -71,32 +72,6 @@ def test_an_all_zero_block_and_non_finite_values_decode_as_zeros():
     assert (decoded[BLOCK:2 * BLOCK] - middle).abs().max() < middle.abs().max() / 127
 
 
-def test_topk_sends_exactly_the_largest_values_and_zeros_elsewhere():
-    values = gradient_like(10_000)
-    codec = TopK(0.01)
-    message = codec.compress(values, CompressionInfo.from_tensor(values))
-    assert len(message.buffer) == 4 + 100 * (4 + 2)  # header, int32 indices, fp16 values
-    decoded = codec.extract(message)
-    largest = values.abs().topk(100).indices
-    assert set(decoded.nonzero().view(-1).tolist()) == set(largest.tolist())
-    assert torch.allclose(decoded[largest], values[largest], rtol=1e-3)
-    assert round_trip(TopK(0.01), torch.randn(5)).count_nonzero() == 1  # at least one value, however small
-
-
-def test_topk_with_int8_values_keeps_the_same_values_at_int8_precision_in_fewer_bytes():
-    values = gradient_like(10_000, seed=3)
-    fp16, int8 = TopK(0.01), TopK(0.01, value_bits=8)
-    decoded = round_trip(int8, values)
-    kept = round_trip(fp16, values) != 0
-    assert torch.equal(decoded != 0, kept)  # the same largest values
-    assert float((decoded[kept] - values[kept]).abs().max()) <= float(values[kept].abs().max()) / 127 / 2 * 1.01
-    assert payload_bytes([values], int8) < payload_bytes([values], fp16)
-    adapter.install()  # hivemind decodes our ids once they are registered
-    assert deserialize_torch_tensor(int8.compress(values, CompressionInfo.from_tensor(values))).equal(decoded)
-    with pytest.raises(ValueError, match="value_bits must be 8 or 16"):
-        TopK(0.01, value_bits=4)
-
-
 @pytest.mark.parametrize("name", ["int8", "int4", "topk"])
 def test_hivemind_decodes_our_codecs_by_their_ids(name):
     adapter.install()
@@ -106,6 +81,17 @@ def test_hivemind_decodes_our_codecs_by_their_ids(name):
     assert message.compression == CODEC_IDS[name]
     decoded = deserialize_torch_tensor(message)
     assert decoded.dtype == torch.bfloat16 and torch.equal(decoded, codec.extract(message))
+
+
+@pytest.mark.parametrize("value_bits, chunk", [(2, 16), (4, 256), (8, 1024), (16, 65536)])
+def test_hivemind_decodes_every_topk_setting_with_the_one_registered_decoder(value_bits, chunk):
+    """The decoder registered for topk's id has the default settings: each message's header carries its own."""
+    adapter.install()
+    values = gradient_like(70_000, seed=value_bits)
+    codec = make_codec("topk", topk_fraction=0.02, topk_value_bits=value_bits, topk_chunk=chunk)
+    message = codec.compress(values, CompressionInfo.from_tensor(values))
+    assert message.compression == CODEC_IDS["topk"]
+    assert torch.equal(deserialize_torch_tensor(message), codec.extract(message))
 
 
 def test_blockwise_codecs_keep_outliers_from_flattening_the_rest():

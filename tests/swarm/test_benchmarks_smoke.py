@@ -124,6 +124,22 @@ def test_compression_smoke(tmp_path: Path):
         assert {"rounds_ok", "rounds_failed", "round_seconds", "allreduce_seconds", "allreduce_over_none"} <= row.keys()
 
 
+@pytest.mark.timeout(120)
+def test_diloco_recipes_smoke(tmp_path: Path):
+    results, _ = run_benchmark("diloco_recipes", tmp_path)
+    assert {"task", "peers", "batch_size", "target_batch_size", "samples", "device", "parameters", "reference",
+            "recipes"} <= results.keys()
+    assert results["reference"]["curve"] and results["reference"]["curve"][-1]["samples"] == results["samples"]
+    for row in results["recipes"]:
+        assert {"recipe", "inner_steps", "outer_lr", "outer_momentum", "codec", "warmup", "rounds", "curve",
+                "final_val_loss", "val_loss_vs_sync", "payload_bytes_per_round", "fewer_bytes_than_sync_fp32"
+                } <= row.keys()
+        assert len(row["curve"]) == row["rounds"]
+    # a codec's round weighs less than an fp32 one
+    by_codec = {row["codec"]: row["payload_bytes_per_round"] for row in results["recipes"]}
+    assert by_codec["int4"] < by_codec["none"]
+
+
 @pytest.mark.timeout(60)
 def test_offload_smoke(tmp_path: Path):
     results, _ = run_benchmark("offload", tmp_path)

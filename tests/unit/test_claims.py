@@ -39,6 +39,14 @@ def test_absurd_records_are_dropped_and_their_owner_ignored_for_the_rest_of_the_
     assert believed.ignored == {LIAR}
 
 
+def test_with_longer_rounds_an_epoch_may_hold_as_many_more_samples():
+    """DiLoCo's round factor (--max-round-factor) makes an epoch up to that many target batches long."""
+    longer = ClaimFilter(ME, TARGET, max_ttl_seconds=40.0, max_clock_skew_seconds=5.0, longest_round=4)
+    honest = entry(3, samples=4 * MAX_TARGETS_OF_SAMPLES * TARGET)
+    assert set(longer.filter({ME: entry(3), HONEST: honest}, NOW)) == {ME, HONEST}
+    assert set(claims().filter({ME: entry(3), HONEST: honest}, NOW)) == {ME}
+
+
 def test_a_newcomer_believes_its_first_look_and_judges_jumps_from_then_on():
     believed = claims()
     assert set(believed.filter({ME: entry(0), HONEST: entry(31)}, NOW)) == {ME, HONEST}  # it is behind, legitimately

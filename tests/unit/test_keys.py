@@ -26,7 +26,7 @@ def test_a_swarm_key_moves_every_training_key_but_not_the_open_peer_records(tmp_
     keyed, open_ = SwarmKeys.for_run("run", secret), SwarmKeys.for_run("run")
     assert keyed.peers == open_.peers  # status and the monitor list peers with the run id alone
     for name in ("progress", "start_gate", "leaving", "state_averager", "grad_averager", "diloco_state",
-                 "diloco_outer"):
+                 "diloco_outer", "round_factors"):
         assert getattr(keyed, name) != getattr(open_, name) and getattr(keyed, name).startswith("run-")
     assert "." not in keyed.namespace  # hivemind forbids dots in prefixes
 

@@ -100,6 +100,7 @@ def test_browser_draws_peers_as_text_and_follows_updates_without_reload():
     hostile = swarm_snapshot(2.5, 2.4)
     hostile["peers"][0]["device"] = '<img id="injected" src="x">'  # records are written by other machines
     hostile["peers"][1]["paused"] = ["busy"]
+    hostile["peers"][0].update(round_factor=2, round_factor_requested=4, upload_budget_mbit=2.5)  # DiLoCo's
     hostile["contributors"] = [
         {"peer_id": "b" * 8, "claimed_samples": 960, "observed_samples": 944, "observers": 1, "device_seconds": 75.0,
          "sent_bytes": 3 * 2**20},
@@ -116,6 +117,7 @@ def test_browser_draws_peers_as_text_and_follows_updates_without_reload():
             assert peer_rows(chrome)[0][1] == '<img id="injected" src="x">'
             assert chrome.find_element("id", "epoch").text == "3"
             assert peer_rows(chrome)[1][-1] == "paused: busy"
+            assert [cells[5] for cells in peer_rows(chrome)] == ["x2, asks x4, 2.5 Mbit/s", "–"]
             assert contributor_rows(chrome) == [["bbbbbbbb", "960", "944", "1", "1 min 15 s", "3.0 MiB"],
                                                 ["aaaaaaaa", "1000000", "–", "0", "1.5 s", "0.0 MiB"]]
             assert chrome.find_elements("id", "bold") == []
