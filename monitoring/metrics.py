@@ -64,8 +64,8 @@ PEER_METRICS: Dict[str, str] = {
     "peer_averaging_reducing": "gauge",
     "peer_paused": "gauge",
     "peer_paused_seconds_total": "counter",
-    "peer_upload_budget_mbit": "gauge",
-    "peer_upload_mbit": "gauge",
+    "peer_upload_budget_bits_per_second": "gauge",
+    "peer_upload_bits_per_second": "gauge",
     "peer_round_factor_requested": "gauge",
     "peer_round_factor": "gauge",
     "peer_info": "gauge",
@@ -212,14 +212,14 @@ class PeerMetrics:
         self.paused_seconds = Counter(
             "peer_paused_seconds", "Time this peer spent paused, counted as each pause ends.", registry=r,
         )
-        self.upload_budget_mbit = Gauge(
-            "peer_upload_budget_mbit",
-            "This peer's upload budget for averaging (--max-upload-mbit), in Mbit/s; NaN: no budget.", registry=r,
+        self.upload_budget = Gauge(
+            "peer_upload_budget_bits_per_second",
+            "This peer's upload budget for averaging (--max-upload-mbit x 1e6); NaN: no budget.", registry=r,
         )
-        self.upload_mbit = Gauge(
-            "peer_upload_mbit",
-            "What this peer's averaging rounds uploaded, in Mbit/s, over the last minute (over the last round "
-            "interval where rounds are further apart); computed like peer_averaging_payload_sent_bytes_total.",
+        self.upload_rate = Gauge(
+            "peer_upload_bits_per_second",
+            "What this peer's averaging rounds uploaded over the last minute (over the last round interval where "
+            "rounds are further apart); computed like peer_averaging_payload_sent_bytes_total.",
             registry=r,
         )
         self.round_factor_requested = Gauge(
@@ -260,7 +260,7 @@ class PeerMetrics:
         for reason in REJECTION_REASONS:
             self.rejected_downloads.labels(reason=reason)
         self.state_agrees.set(math.nan)
-        self.upload_budget_mbit.set(math.nan)
+        self.upload_budget.set(math.nan)
         self.round_factor_requested.set(1)
         self.round_factor.set(1)
         self.reducing.set(1)
@@ -326,11 +326,11 @@ class PeerMetrics:
         """The swarm's round factor at this peer's epoch, the one it asks for, and its upload budget (None: none)."""
         self.round_factor.set(factor)
         self.round_factor_requested.set(requested)
-        self.upload_budget_mbit.set(math.nan if budget_mbit is None else budget_mbit)
+        self.upload_budget.set(math.nan if budget_mbit is None else budget_mbit * 1e6)
 
     def set_upload_rate(self, mbit: float) -> None:
-        """What averaging uploaded over the last minute, in Mbit/s."""
-        self.upload_mbit.set(max(0.0, mbit))
+        """What averaging uploaded over the last minute, in Mbit/s (exported in bits per second)."""
+        self.upload_rate.set(max(0.0, mbit) * 1e6)
 
     def record_pause(self, seconds: float) -> None:
         self.paused_seconds.inc(max(0.0, seconds))

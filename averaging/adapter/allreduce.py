@@ -4,12 +4,12 @@
   for every averager, become its pipeline, which its process inherits.
 - First thing in the averager's own process: that pipeline becomes the process's (refusals.py reads it).
 - Each all-reduce: upstream's `_run_allreduce_inplace_`, with canonical replies (averaging/adapter/runner.py:
-  each peer copies the average's exact bits), and the stages applied at their points: error feedback's inputs
-  and part container and the residuals of its replies, a robust runner when the averager carries a Defence
-  (bounding the weights when it also carries a WeightBound: its weights are sample counts), the grace window of
-  its reducer (averaging/adapter/grace.py: once this peer's round is over, the runner still answers the senders it
-  left out for an all-reduce timeout), and the share of the average that never arrived, and of this peer's contribution
-  that was left out, recorded by the completeness stage.
+  each peer copies the average's exact bits), and the stages applied at their points: error feedback's inputs,
+  part container and reply residuals (which the runner updates as it encodes), a robust runner when the averager
+  carries a Defence (bounding the weights when it also carries a WeightBound: its weights are sample counts), the
+  grace window of its reducer (averaging/adapter/grace.py: once this peer's round is over, the runner still
+  answers the senders it left out for an all-reduce timeout), and the share of the average that never arrived,
+  and of this peer's contribution that was left out, recorded by the completeness stage.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ async def run_allreduce_inplace_through_pipeline(self: DecentralizedAverager, te
     if feedback is not None:
         with feedback.lock:
             extra["carried"] = [residual.clone() for residual in feedback.residuals]
-            extra["reply_carried"] = [residual.clone() for residual in feedback.reply_residuals]
+        extra["reply_feedback"] = feedback
         inputs = [tensor.detach().float() + residual for tensor, residual in zip(tensors, extra["carried"])]
     runner = runner_class(
         p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=inputs, group_id=group_id,
@@ -81,19 +81,13 @@ async def run_allreduce_inplace_through_pipeline(self: DecentralizedAverager, te
     assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
     self._running_groups[group_id].set_result(runner)
     if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
-        try:
-            async for index, (tensor, average) in aenumerate(azip(as_aiter(*tensors), runner)):
-                adopt(tensor, average, self._averaging_alpha)
-                if feedback is not None:  # the residual of this tensor is now final
-                    with feedback.lock:
-                        feedback.residuals[index].copy_(runner.tensor_part_container.kept[index])
-                self.last_updated = get_dht_time()
-                self._state_updated.set()
-        finally:  # the replies this peer encoded went out, whether or not the round ended well here
-            if feedback is not None:
+        async for index, (tensor, average) in aenumerate(azip(as_aiter(*tensors), runner)):
+            adopt(tensor, average, self._averaging_alpha)
+            if feedback is not None:  # the residual of this tensor is now final
                 with feedback.lock:
-                    for residual, lost in zip(feedback.reply_residuals, extra["reply_carried"]):
-                        residual.copy_(lost)
+                    feedback.residuals[index].copy_(runner.tensor_part_container.kept[index])
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
         container = runner.tensor_part_container
         pipeline.finish(RoundEnd(
             group_info.group_id, container.failed_size, container.total_size, runner.left_out_size,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import AsyncIterator, Dict, Optional, Sequence, Set
 
@@ -29,11 +30,11 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+from hivemind.utils.asyncio import aenumerate, aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from averaging.adapter.grace import GracefulPartReducer
 from averaging.adapter.partition import FeedbackPartContainer, PartLocator
-from averaging.pipeline.error_feedback import message_with_feedback
+from averaging.pipeline.error_feedback import ErrorFeedback, message_with_feedback
 from averaging.pipeline.stragglers import GraceWindow
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,15 @@ INCLUDED, LEFT_OUT = 1.0, -1.0
 CONTAINER_OPTIONS = ("compression", "part_size_bytes", "tensor_infos", "prefetch")
 
 
+def deserialize_part(serialized: runtime_pb2.Tensor, expected_numel: int, sender) -> torch.Tensor:
+    """A part another peer sent, decoded only if it claims the size the part has here: a decoder allocates what
+    the message's `size` says, which a few hostile bytes could make gigabytes."""
+    numel = math.prod(serialized.size)
+    if numel != expected_numel or any(dimension < 0 for dimension in serialized.size):
+        raise AllreduceException(f"{sender} sent a part of {numel} values where {expected_numel} were due")
+    return deserialize_torch_tensor(serialized)
+
+
 class CanonicalAllReduceRunner(AllReduceRunner):
     """hivemind's AllReduceRunner, replying with each part's average serialized once for all senders.
 
@@ -52,20 +62,19 @@ class CanonicalAllReduceRunner(AllReduceRunner):
     :param lossless_replies: reply without compression whatever codec the senders used (parameter rounds)
     :param carried: error feedback's residuals, already added into `tensors` (a FeedbackPartContainer then
       keeps what the codec loses)
-    :param reply_carried: error feedback's reply residuals, shaped like `tensors`: each reply this peer encodes
-      carries the residual of its stretch, which is replaced by what that encoding lost
+    :param reply_feedback: the averager's error feedback, whose reply residuals (shaped like `tensors`) each reply
+      this peer encodes carries for its stretch, and replaces there by what that encoding lost
     :param grace: the grace window of this peer's reducer (None: wait for every sender, as upstream)
     """
 
     def __init__(self, *, tensors: Sequence[torch.Tensor], lossless_replies: bool = False,
-                 carried: Optional[Sequence[torch.Tensor]] = None,
-                 reply_carried: Optional[Sequence[torch.Tensor]] = None, grace: Optional[GraceWindow] = None,
-                 **kwargs):
+                 carried: Optional[Sequence[torch.Tensor]] = None, reply_feedback: Optional[ErrorFeedback] = None,
+                 grace: Optional[GraceWindow] = None, **kwargs):
         super().__init__(tensors=tensors, **kwargs)
         self.lossless_replies = lossless_replies
         self.codec: Optional[CompressionBase] = kwargs.get("compression")
-        self.reply_carried = None if reply_carried is None else [residual.view(-1) for residual in reply_carried]
-        self._locate = PartLocator(tensors)
+        self.reply_feedback = reply_feedback
+        self._locate = PartLocator(tensors) if reply_feedback is not None else None
         self.left_out_size = 0  # elements of this peer's contribution that reducers left out as late
         self.replied_after_seconds: Dict[str, float] = {}  # reducer (base58) -> when its last reply came
         self._started_at = time.monotonic()
@@ -118,12 +127,16 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         codec_id = LOSSLESS if self.lossless_replies else self._reply_codecs.get(part_index, LOSSLESS)
         if self.codec is None or getattr(self.codec, "compression_type", None) != codec_id:
             return serialize_torch_tensor(averaged_part, codec_id)  # hivemind's codecs: one per id, no settings
-        if self.reply_carried is None:
+        if self.reply_feedback is None:
             return self.codec.compress(averaged_part, CompressionInfo.from_tensor(averaged_part))
+        # each part is encoded once, into its own stretch: what it lost is final as soon as the bytes are, sent or not
         index, where = self._locate(self.parts_for_local_averaging[part_index])
-        residual = self.reply_carried[index][where]
-        message, lost = message_with_feedback(averaged_part, residual, self.codec)
-        residual.copy_(lost)
+        feedback = self.reply_feedback
+        with feedback.lock:
+            carried = feedback.reply_residuals[index].view(-1)[where].clone()
+        message, lost = message_with_feedback(averaged_part, carried, self.codec)
+        with feedback.lock:
+            feedback.reply_residuals[index].view(-1)[where].copy_(lost)
         return message
 
     async def _communicate_with_peer(self, peer_id):
@@ -155,14 +168,19 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
 
-            def _try_deserialize(msg):
+            sent_parts = self.tensor_part_container._input_parts_by_peer[peer_index]
+
+            def _try_deserialize(indexed):
+                index, msg = indexed
                 if msg.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-                return deserialize_torch_tensor(msg.tensor_part), msg
+                if index >= len(sent_parts):
+                    raise AllreduceException(f"{peer_id} sent more than the {len(sent_parts)} parts due")
+                return deserialize_part(msg.tensor_part, sent_parts[index][0].numel(), peer_id), msg
 
             part_index = 0
             async for average, msg in amap_in_executor(
-                _try_deserialize, aiter_with_timeout(stream, self.reducer_timeout),
+                _try_deserialize, aenumerate(aiter_with_timeout(stream, self.reducer_timeout)),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 if msg.weight == LEFT_OUT:
@@ -184,9 +202,18 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         # upstream's, replying with the part's canonical average instead of this sender's delta to it
         part_index = 0
         try:
+            part_shapes, sender = self.tensor_part_reducer.part_shapes, self.sender_peer_ids[sender_index]
+
+            def _deserialize(indexed):
+                index, msg = indexed
+                if index >= len(part_shapes):
+                    raise AllreduceException(f"{sender} sent more than the {len(part_shapes)} parts due")
+                expected = math.prod(part_shapes[index])
+                return deserialize_part(msg.tensor_part, expected, sender), msg.weight, msg.tensor_part.compression
+
             async for tensor_part, weight, part_compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
-                stream,
+                _deserialize,
+                aenumerate(stream),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 self._reply_codecs.setdefault(part_index, part_compression)

@@ -114,10 +114,10 @@ class DiLoCoOptimizer(SharesState):
         )
         progress.believe_plausible_claims(self.tracker, self.signing_key, matchmaking_floor,
                                           excluded=self.rounds.excluded_peer_ids,
-                                          evidence=weight_bound.evidence if weight_bound else None,
-                                          longest_round=config.max_round_factor)
-        self.round_length = RoundLengthKeeper(config, dht, keys.round_factors, self.rounds.hooks,
-                                              round_payload_bytes(config, self.main_parameters),
+                                          evidence=weight_bound.evidence if weight_bound else None)
+        # what a round uploads, for the budget's arithmetic (a codec pass over the model: only with a budget)
+        payload = round_payload_bytes(config, self.main_parameters) if config.max_upload_mbit is not None else 0
+        self.round_length = RoundLengthKeeper(config, dht, keys.round_factors, self.rounds.hooks, payload,
                                               excluded=self.rounds.excluded_peers,
                                               ttl_seconds=self.tracker.metadata_expiration,
                                               subkey=progress.owner(self.signing_key))

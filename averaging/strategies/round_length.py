@@ -24,7 +24,7 @@ from averaging.api import AveragingHooks, RoundLength, RoundReport
 from averaging.budget import CostEstimate, choose_factor
 from averaging.codecs.compression import bytes_moved
 from averaging.config import AveragingConfig
-from averaging.swarm.round_factor import READ_TIMEOUT_SECONDS, RoundFactorBook, RoundFactorWatch
+from averaging.swarm.round_factor import RoundFactorBook, RoundFactorWatch
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +97,10 @@ class RoundLengthKeeper:
         self._timed, self._trained_since, self._round_began = trained, None, None
         factor = 1
         if self.watch is not None:
-            if trained and self.book.read_once:
-                self.watch.await_read(READ_TIMEOUT_SECONDS)  # begun with the round: usually done by now
-            else:  # an epoch it did not train into: the others' schedules say what it is
+            # through its own round, the records read as the round began (or before) suffice: what they say
+            # applies two epochs on, so training never waits on the DHT here. An epoch it did not train into
+            # (the start, a download, a checkpoint) is the others' to say: it reads them first
+            if not (trained and self.book.read_once):
                 self.watch.read_now()
             factor = self.book.enter(epoch)
             self.watch.publish_now()
@@ -108,6 +109,9 @@ class RoundLengthKeeper:
                         f"was {self.factor})")
         self.factor = factor
         tracker.target_batch_size = self.base_target * factor
+        claims = getattr(tracker, "claims", None)
+        if claims is not None:  # an epoch's honest claims reach this many target batches, no more
+            claims.longest_round = factor
         self.hooks.round_length(RoundLength(epoch=epoch, factor=factor, requested=self.book.requested,
                                             max_factor=self.max_factor, budget_mbit=self.budget_mbit,
                                             meets_budget=self._meets, needed_mbit=self._needed_mbit))

@@ -91,8 +91,12 @@ class RoundFactorBook:
         with self._lock:
             return self._schedule.get(epoch, 1)
 
-    def record_value(self) -> dict:
+    def record_value(self) -> Optional[dict]:
+        """What this peer publishes; None while it asks for 1 and applies 1 at every epoch ahead (a missing record
+        reads as that), so that a swarm without budgets stores nothing."""
         with self._lock:
+            if self._requested == 1 and all(factor == 1 for factor in self._schedule.values()):
+                return None
             return RoundFactorRecord(peer_id=self.peer_id, requested=self._requested,
                                      schedule={str(at): factor for at, factor in self._schedule.items()}).dict()
 
@@ -114,9 +118,7 @@ class RoundFactorWatch:
         self.period_seconds = period_seconds
         self.publisher = RecordPublisher(dht, key, book.record_value, period_seconds=PUBLISH_SECONDS,
                                          ttl_seconds=ttl_seconds, subkey=subkey)
-        self._stop = threading.Event()
-        self._reads = threading.Condition()
-        self._asked = self._done = 0  # reads asked for, and the last one asked for before a read began that ended
+        self._stop, self._asked = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="round-factor-watch", daemon=True)
 
     def start(self) -> "RoundFactorWatch":
@@ -129,16 +131,8 @@ class RoundFactorWatch:
         threading.Thread(target=self.publisher.publish_now, name="round-factor-publish", daemon=True).start()
 
     def read_soon(self) -> None:
-        """Begin reading the others' records now, off the training thread (await_read waits for it)."""
-        with self._reads:
-            self._asked += 1
-            self._reads.notify_all()
-
-    def await_read(self, timeout_seconds: float = READ_TIMEOUT_SECONDS) -> bool:
-        """Wait until a read that began after the last read_soon has ended; False if none did in time (the records
-        read before stand)."""
-        with self._reads:
-            return self._reads.wait_for(lambda: self._done >= self._asked or self._stop.is_set(), timeout_seconds)
+        """Read the others' records now, off the training thread."""
+        self._asked.set()
 
     def read_now(self, timeout_seconds: float = READ_TIMEOUT_SECONDS) -> bool:
         """Read the others' records on this thread; False if the read failed (the last one read stands)."""
@@ -151,18 +145,13 @@ class RoundFactorWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self._reads:
-                asked = self._asked
+            self._asked.clear()
             self.read_now()
-            with self._reads:
-                self._done = max(self._done, asked)
-                self._reads.notify_all()
-                self._reads.wait_for(lambda: self._asked > self._done or self._stop.is_set(), self.period_seconds)
+            self._asked.wait(self.period_seconds)
 
     def close(self, timeout_seconds: float = 5.0) -> None:
         self._stop.set()
-        with self._reads:
-            self._reads.notify_all()
+        self._asked.set()
         if self._thread.is_alive():
             self._thread.join(timeout_seconds)
         self.publisher.stop(timeout_seconds)
@@ -170,12 +159,3 @@ class RoundFactorWatch:
 
 def read_records(dht, key: str, timeout_seconds: float) -> List[RoundFactorRecord]:
     return list(read_live(dht, key, RoundFactorRecord, timeout_seconds).values())
-
-
-def swarm_factor(records: Iterable[RoundFactorRecord], epoch: int, max_factor: int,
-                 excluded: Optional[Collection[str]] = None) -> int:
-    """The factor that the peers of `records` apply at `epoch`, as a reader that trains nothing sees it (peer status):
-    the highest of their schedules' entries there."""
-    excluded = excluded or frozenset()
-    entries = [_entry(record.schedule, epoch) for record in records if record.peer_id not in excluded]
-    return min(max_factor, max(1, max(entries, default=1)))

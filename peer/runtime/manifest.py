@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.5
 
 _ADAPTIVE_CODEC_SETTINGS = ("adaptive_compression_threshold", "adaptive_large_codec")
+_TOPK_CODEC_SETTINGS = ("topk_fraction", "topk_value_bits", "topk_chunk")
+"""hivemind cuts a round into parts by the codec's estimated size: peers whose top-k settings differ cut different
+parts, and every round would fail."""
 
 TASK_DIGESTS = {"model_config": "model configuration", "tokenizer": "tokenizer", "init_from": "starting point"}
 """The settings a task shares as digests (Task.shared_digests), by the option that sets each, and what it is."""
@@ -72,8 +75,11 @@ def manifest_for(config: PeerConfig, task_name: str, model: torch.nn.Module,
     averaging = config.averaging
     # the strategy's own shared settings, each read by its command-line name
     names = ["target_batch_size", "averaging", *STRATEGIES[averaging.strategy].shared_settings]
-    if "adaptive" in (averaging.grad_compression, averaging.state_compression, averaging.load_state_compression):
+    codecs = (averaging.grad_compression, averaging.state_compression, averaging.load_state_compression)
+    if "adaptive" in codecs:
         names += _ADAPTIVE_CODEC_SETTINGS
+    if "topk" in codecs:
+        names += _TOPK_CODEC_SETTINGS
     settings: Dict[str, object] = {name: _setting(config, name) for name in names}
     settings["task"], settings["model"] = task_name, model_fingerprint(model)
     settings.update(shared_digests)

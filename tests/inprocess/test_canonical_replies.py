@@ -10,12 +10,13 @@ import functools
 
 import pytest
 import torch
+from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionInfo
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.proto import runtime_pb2
 
 from averaging import adapter
-from averaging.adapter.runner import CanonicalAllReduceRunner
+from averaging.adapter.runner import CanonicalAllReduceRunner, deserialize_part
 from averaging.codecs.compression import make_codec
 from averaging.pipeline.defence import Defence
 from averaging.pipeline.robust import RobustPolicy
@@ -66,10 +67,10 @@ def test_robust_reducers_reply_canonically_too():
         assert_bit_identical(group)
 
 
-def serialized_reply(lossless: bool, senders_codec: str, average=None):
+def serialized_reply(lossless: bool, senders_codec: str, average=None, **settings):
     runner = CanonicalAllReduceRunner.__new__(CanonicalAllReduceRunner)  # just its reply cache
-    runner.lossless_replies, runner._replies, runner.reply_carried = lossless, {}, None
-    runner.codec = make_codec(senders_codec)
+    runner.lossless_replies, runner._replies, runner.reply_feedback = lossless, {}, None
+    runner.codec = make_codec(senders_codec, **settings)
     runner._reply_codecs = {0: runner.codec.compression_type}
     average = torch.randn(64) if average is None else average
 
@@ -86,11 +87,14 @@ def test_a_part_is_serialized_once_with_its_senders_codec_or_losslessly_for_para
     assert first.compression == runtime_pb2.CompressionType.NONE
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "topk"])
-def test_our_codecs_reply_in_themselves_with_the_averagers_settings(codec):
+@pytest.mark.parametrize("codec, settings", [
+    ("int8", {}), ("int4", {}),
+    ("topk", dict(topk_fraction=0.05, topk_chunk=64, topk_value_bits=2)),  # not what the registry's decoder holds
+])
+def test_our_codecs_reply_in_themselves_with_the_averagers_settings(codec, settings):
     average = torch.randn(4096)
-    reply, _ = serialized_reply(lossless=False, senders_codec=codec, average=average)
-    ours = make_codec(codec)
+    reply, _ = serialized_reply(lossless=False, senders_codec=codec, average=average, **settings)
+    ours = make_codec(codec, **settings)
     assert reply.compression == ours.compression_type
     assert reply.buffer == ours.compress(average, CompressionInfo.from_tensor(average)).buffer  # not dense fp16
 
@@ -121,3 +125,16 @@ def test_parameter_averaging_with_a_lossy_codec_gives_every_peer_the_exact_mean(
             averager.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+@pytest.mark.parametrize("codec", ["none", "int4", "topk"])
+def test_a_part_that_claims_another_size_is_refused_before_it_is_decoded(codec):
+    """A decoder allocates what a message's size says: a few hostile bytes claiming 2**30 values (4 GiB) must not
+    make a peer allocate them."""
+    adapter.install()  # our codecs' decoders
+    part = torch.randn(1000)
+    message = make_codec(codec).compress(part, CompressionInfo.from_tensor(part))
+    assert torch.equal(deserialize_part(message, 1000, "a sender"), make_codec(codec).extract(message))
+    message.size[:] = [2**30]
+    with pytest.raises(AllreduceException, match="a sender sent a part of 1073741824 values where 1000 were due"):
+        deserialize_part(message, 1000, "a sender")

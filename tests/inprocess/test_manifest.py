@@ -48,6 +48,11 @@ def test_the_manifest_holds_the_shared_settings_of_the_strategy_and_the_model_la
     assert {"task", "target_batch_size", "averaging", "grad_compression", "model"} <= set(sync.settings)
     assert "diloco_inner_steps" not in sync.settings and diloco.settings["diloco_inner_steps"] == 500
     assert "adaptive_large_codec" in manifest(grad_compression="adaptive").settings
+    # top-k's settings decide how hivemind cuts a round into parts: peers must share them
+    assert {"topk_fraction", "topk_value_bits", "topk_chunk"} <= set(manifest(grad_compression="topk").settings)
+    assert "topk_chunk" not in sync.settings
+    lines = differences(manifest(grad_compression="topk", topk_chunk=64), manifest(grad_compression="topk"))
+    assert lines[0] == "--topk-chunk is 64 here but 256 in the swarm; start with --topk-chunk 256"
     assert manifest().settings == manifest(batch_size=2, matchmaking_seconds=2.0).settings  # local settings
     assert manifest(width=9).settings["model"] != sync.settings["model"]  # one wider layer
 

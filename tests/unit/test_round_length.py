@@ -125,7 +125,7 @@ def test_an_unmet_budget_is_said_once_and_again_only_after_it_was_met_in_between
 def test_the_metrics_and_the_events_show_the_budget_and_each_change_of_the_swarms_factor(tmp_path):
     registry = CollectorRegistry()
     metrics = PeerMetrics(registry)
-    assert math.isnan(registry.get_sample_value("peer_upload_budget_mbit"))
+    assert math.isnan(registry.get_sample_value("peer_upload_budget_bits_per_second"))
     assert registry.get_sample_value("peer_round_factor") == 1.0
     events = EventsObserver(EventLog(tmp_path / "events.jsonl"))
     observer = MetricsObserver(metrics, BottleneckClassifier(), HealthCheck(60.0))
@@ -145,9 +145,9 @@ def test_the_metrics_and_the_events_show_the_budget_and_each_change_of_the_swarm
     assert (written[1].epoch, written[1].factor, written[1].previous) == (3, 4, 1)
     assert registry.get_sample_value("peer_round_factor") == 4.0
     assert registry.get_sample_value("peer_round_factor_requested") == 4.0
-    assert registry.get_sample_value("peer_upload_budget_mbit") == 2.5
+    assert registry.get_sample_value("peer_upload_budget_bits_per_second") == 2.5e6
     observer.on_round(RoundReport("ok", 1.0, 2), payload_bytes=2 * 7_500_000)  # 7.5 MB sent: 60 Mbit
-    assert registry.get_sample_value("peer_upload_mbit") > 0
+    assert registry.get_sample_value("peer_upload_bits_per_second") > 0
 
 
 def test_peer_status_shows_each_peers_round_and_the_swarms_factor():
