@@ -97,6 +97,7 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_STATE_AVERAGER}.get_current_state": ("d2ee431a0a4b4074", "averaging/adapter/state_averager.py"),
     f"{_AVERAGER}.load_state_from_peers": ("973fae40a3d1e16f", "averaging/adapter/state_averager.py"),
     f"{_TRACKER}._parse_swarm_progress_data": ("1b5ad87469d3c13f", "averaging/adapter/progress_filter.py"),
+    f"{_TRACKER}.report_local_progress": ("9bf530c8bc98f445", "averaging/adapter/pacing.py"),
     # read or driven from outside
     f"{_TRACKER}._progress_reporter": ("affc9ed95108eacf",
                                        "averaging/swarm/progress.py, averaging/adapter/late_stores.py"),

@@ -96,3 +96,39 @@ def test_building_an_optimizer_installs_the_pacing(monkeypatch):
         build_swarm_optimizer(AveragingConfig(target_batch_size=8), replica=None)
     assert GroupKeyManager.get_averagers is pacing.paced_get_averagers
     assert DecentralizedAverager._declare_for_download_periodically is pacing.paced_declare_for_download_periodically
+
+
+class CountingEvent:
+    def __init__(self):
+        self.sets = 0
+
+    def set(self):
+        self.sets += 1
+
+
+def test_progress_reports_are_paced_but_an_epoch_or_a_reset_goes_at_once(monkeypatch):
+    """A step's report stores the tracker's record at most once a REPORT_INTERVAL_SECONDS: others extrapolate a
+    record by its rate. A new epoch, or fewer samples (a reset), is reported at once."""
+    clock = FakeClock()
+    monkeypatch.setattr(pacing.time, "monotonic", clock)
+    progress = SimpleNamespace(epoch=0, samples_accumulated=0)
+    tracker = SimpleNamespace(
+        local_progress=progress, global_progress=SimpleNamespace(epoch=0, samples_accumulated=0),
+        performance_ema=SimpleNamespace(update=lambda task_size: None, reset_timer=lambda: None),
+        _get_local_progress=lambda epoch, samples: SimpleNamespace(epoch=epoch, samples_accumulated=samples),
+        should_report_progress=CountingEvent(),
+    )
+    for step in range(1, 11):  # ten steps within a tenth of the interval
+        pacing.paced_report_local_progress(tracker, 0, 16 * step)
+        clock.now += pacing.REPORT_INTERVAL_SECONDS / 100
+    assert tracker.should_report_progress.sets == 1
+    assert tracker.global_progress.samples_accumulated == 160  # the tracker's own view is never paced
+    assert tracker.local_progress.samples_accumulated == 160  # what the reporter stores when it wakes
+    clock.now += pacing.REPORT_INTERVAL_SECONDS
+    pacing.paced_report_local_progress(tracker, 0, 176)
+    assert tracker.should_report_progress.sets == 2  # its slot came
+    pacing.paced_report_local_progress(tracker, 1, 0)
+    assert tracker.should_report_progress.sets == 3  # a new epoch goes at once
+    pacing.paced_report_local_progress(tracker, 1, 16)
+    pacing.paced_report_local_progress(tracker, 1, 0)
+    assert tracker.should_report_progress.sets == 4  # and so does a reset
