@@ -4,10 +4,10 @@ re-declares itself as a state donor once per averaged tensor: about 200 DHT requ
 
 A progress tracker also stores a signed progress record after every local step (about 4 a second per peer of the
 default task on one core). Other peers extrapolate a record by the rate it carries, so a record a few seconds old
-tells them as much: reports are paced to one a REPORT_INTERVAL_SECONDS, except those that begin an epoch or reset
-the count, which go at once. On a 20 Mbit/s link, 2 peers of DiLoCo with int4 (benchmarks/uplink.py, 16,384
-samples) sent 737 wire bytes a sample unpaced, 458 at one report a second and 423 at one every 3 s: the
-payload itself is about 230."""
+tells them as much: reports are paced to one a REPORT_INTERVAL_SECONDS, except those that begin an epoch, bring its
+first samples or reset the count, which go at once. On a 20 Mbit/s link, 2 peers of DiLoCo with int4
+(benchmarks/uplink.py, 16,384 samples) sent 737 wire bytes a sample unpaced, 458 at one report a second and 423
+at one every 3 s: the payload itself is about 230."""
 from __future__ import annotations
 
 import asyncio
@@ -92,11 +92,14 @@ def paced_report_local_progress(self: ProgressTracker, local_epoch: int, samples
         self.performance_ema.update(task_size=extra_samples)
     else:
         self.performance_ema.reset_timer()
-    new_epoch = local_epoch != self.local_progress.epoch
+    # at once: a new epoch, a reset, and an epoch's first samples (upstream's reporter stops storing the records of a
+    # peer whose last store it woke for held no samples of the current epoch: pacing that one would silence it)
+    at_once = (local_epoch != self.local_progress.epoch or extra_samples <= 0
+               or self.local_progress.samples_accumulated == 0)
     self.local_progress = self._get_local_progress(local_epoch, samples_accumulated)
     # the pace: a step's report waits for the next slot; the reporter stores the newest progress when it wakes
     now = time.monotonic()
-    if new_epoch or extra_samples <= 0 or now >= getattr(self, "_next_report", float("-inf")):
+    if at_once or now >= getattr(self, "_next_report", float("-inf")):
         self._next_report = now + REPORT_INTERVAL_SECONDS
         self.should_report_progress.set()
 

@@ -108,7 +108,7 @@ class CountingEvent:
 
 def test_progress_reports_are_paced_but_an_epoch_or_a_reset_goes_at_once(monkeypatch):
     """A step's report stores the tracker's record at most once a REPORT_INTERVAL_SECONDS: others extrapolate a
-    record by its rate. A new epoch, or fewer samples (a reset), is reported at once."""
+    record by its rate. A new epoch, its first samples, or fewer samples (a reset) are reported at once."""
     clock = FakeClock()
     monkeypatch.setattr(pacing.time, "monotonic", clock)
     progress = SimpleNamespace(epoch=0, samples_accumulated=0)
@@ -121,7 +121,7 @@ def test_progress_reports_are_paced_but_an_epoch_or_a_reset_goes_at_once(monkeyp
     for step in range(1, 11):  # ten steps within a tenth of the interval
         pacing.paced_report_local_progress(tracker, 0, 16 * step)
         clock.now += pacing.REPORT_INTERVAL_SECONDS / 100
-    assert tracker.should_report_progress.sets == 1
+    assert tracker.should_report_progress.sets == 1  # the epoch's first samples, then nothing until the slot
     assert tracker.global_progress.samples_accumulated == 160  # the tracker's own view is never paced
     assert tracker.local_progress.samples_accumulated == 160  # what the reporter stores when it wakes
     clock.now += pacing.REPORT_INTERVAL_SECONDS
@@ -130,5 +130,8 @@ def test_progress_reports_are_paced_but_an_epoch_or_a_reset_goes_at_once(monkeyp
     pacing.paced_report_local_progress(tracker, 1, 0)
     assert tracker.should_report_progress.sets == 3  # a new epoch goes at once
     pacing.paced_report_local_progress(tracker, 1, 16)
+    assert tracker.should_report_progress.sets == 4  # and its first samples (upstream stops a peer that has none)
+    pacing.paced_report_local_progress(tracker, 1, 32)
+    assert tracker.should_report_progress.sets == 4
     pacing.paced_report_local_progress(tracker, 1, 0)
-    assert tracker.should_report_progress.sets == 4  # and so does a reset
+    assert tracker.should_report_progress.sets == 5  # and so does a reset
