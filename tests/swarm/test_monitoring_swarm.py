@@ -40,7 +40,7 @@ async def test_monitor_follows_peers_joining_and_leaving(tmp_path):
             wait_for(chrome, lambda: int(chrome.find_element("id", "epoch").text) >= epoch + 2, timeout=60)
             wait_for(chrome, lambda: chrome.find_elements("css selector", "#loss-chart polyline"), timeout=30)
             # each peer's own record (published every few seconds): its loss, time split and bottleneck
-            wait_for(chrome, lambda: all(cells[4] != "–" and cells[6] in CATEGORIES for cells in peer_rows(chrome)),
+            wait_for(chrome, lambda: all(cells[4] != "–" and cells[7] in CATEGORIES for cells in peer_rows(chrome)),
                      timeout=60)
             screenshot = screenshot_path(tmp_path)
             assert chrome.save_screenshot(str(screenshot)) and screenshot.read_bytes()[:4] == b"\x89PNG"
