@@ -7,13 +7,16 @@ import math
 from types import SimpleNamespace
 from typing import List
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from averaging.api import AveragingHooks, RoundLength, RoundReport
+from averaging.budget import UploadMeter
 from averaging.config import AveragingConfig
 from averaging.strategies.round_length import RoundLengthKeeper
 from monitoring import BottleneckClassifier, HealthCheck, PeerMetrics
 from peer.cli.status import describe_round, round_factor
+from peer.telemetry import observers
 from peer.telemetry.events import EventLog, RoundFactorChanged, UploadBudgetUnmet, read_events
 from peer.telemetry.observers import EventsObserver, MetricsObserver
 
@@ -122,7 +125,7 @@ def test_an_unmet_budget_is_said_once_and_again_only_after_it_was_met_in_between
     assert len(unmet()) == 2
 
 
-def test_the_metrics_and_the_events_show_the_budget_and_each_change_of_the_swarms_factor(tmp_path):
+def test_the_metrics_and_the_events_show_the_budget_and_each_change_of_the_swarms_factor(tmp_path, monkeypatch):
     registry = CollectorRegistry()
     metrics = PeerMetrics(registry)
     assert math.isnan(registry.get_sample_value("peer_upload_budget_bits_per_second"))
@@ -146,8 +149,10 @@ def test_the_metrics_and_the_events_show_the_budget_and_each_change_of_the_swarm
     assert registry.get_sample_value("peer_round_factor") == 4.0
     assert registry.get_sample_value("peer_round_factor_requested") == 4.0
     assert registry.get_sample_value("peer_upload_budget_bits_per_second") == 2.5e6
+    observer.upload = UploadMeter(started=0.0)  # on a clock of our own: the round ends 10 s in
+    monkeypatch.setattr(observers.time, "monotonic", lambda: 10.0)
     observer.on_round(RoundReport("ok", 1.0, 2), payload_bytes=2 * 7_500_000)  # 7.5 MB sent: 60 Mbit
-    assert registry.get_sample_value("peer_upload_bits_per_second") > 0
+    assert registry.get_sample_value("peer_upload_bits_per_second") == pytest.approx(6e6)  # over the 10 s so far
 
 
 def test_peer_status_shows_each_peers_round_and_the_swarms_factor():
