@@ -92,6 +92,11 @@ class HookedOptimizer(hivemind.Optimizer):
         return super()._check_and_accumulate_gradients(batch_size, grad_scaler)
 
     def _begin_averaging_gradients(self, grad_scaler) -> bool:
+        if self.scheduled_grads is not None and self.scheduled_grads.done():
+            # a round scheduled ahead that ended before this peer reached the epoch (its matchmaking failed, or its
+            # deadline passed while a loaded machine ran late): upstream skips this epoch's round and steps on local
+            # gradients, leaving this peer apart from its group; a fresh round can still meet the others
+            self.scheduled_grads = None
         began = super()._begin_averaging_gradients(grad_scaler)
         if not began:
             self.round_skipped()

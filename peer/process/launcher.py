@@ -304,6 +304,11 @@ class Peer:
         except FileNotFoundError:
             return ""
 
+    def warnings(self, last: int = 30) -> str:
+        """Its last warnings and errors: what a failure message about its rounds or state should show."""
+        lines = [line for line in self.log().splitlines() if " WARN " in line or " ERROR " in line]
+        return f"--- the last warnings of {self.name} ---\n" + "\n".join(lines[-last:])
+
     def log_tail(self, characters: int = 3000) -> str:
         source = f"the output of {self.name}" if self.output is not None else self.log_path
         return f"--- the end of {source} ---\n{self.log()[-characters:]}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from types import SimpleNamespace
 
 import hivemind
 import pytest
@@ -17,6 +18,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 
 from averaging import adapter
 from averaging.adapter import numpy2, pacing, recorded_steps
+from averaging.adapter.optimizer import HookedOptimizer
 from averaging.adapter.partition import FeedbackPartContainer
 from averaging.adapter.reducer import RobustAllReduceRunner, RobustPartReducer
 from averaging.adapter.runner import CanonicalAllReduceRunner
@@ -105,3 +107,46 @@ def test_diloco_mimics_upstreams_resync_rule_which_is_fingerprinted():
     assert "_should_load_state_from_peers" in vars(DiLoCoOptimizer)
     assert "hivemind.optim.optimizer.Optimizer._should_load_state_from_peers" in adapter.UPSTREAM
     assert inspect.getsource(Optimizer._should_load_state_from_peers)
+
+
+
+class _Control:
+    """What upstream reads of a hivemind StepControl here (a real one needs the averager's process to attach to)."""
+
+    def __init__(self, done: bool = False):
+        self.triggered, self._done = False, done
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> None:
+        self._done = True
+
+
+class _GradientAverager:
+    def __init__(self):
+        self.steps = []
+
+    def step(self, control=None, reset_accumulators=False, wait=True):
+        self.steps.append(control)
+        return _Control()
+
+
+def test_a_round_scheduled_ahead_that_already_failed_is_replaced_by_a_fresh_one_not_skipped():
+    """Upstream steps on local gradients alone when the round it scheduled ahead ended before the epoch (on a loaded
+    machine its deadline passes while the peer runs late): one peer apart from its group, every time it happens."""
+    optimizer = object.__new__(HookedOptimizer)  # the method under test reads only these attributes
+    skipped = []
+    optimizer.round_skipped = lambda: skipped.append(True)
+    optimizer.scheduled_grads, optimizer.grad_averager = _Control(done=True), _GradientAverager()
+    optimizer.tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=2))
+    optimizer.status_loglevel = logging.DEBUG
+
+    assert optimizer._begin_averaging_gradients(grad_scaler=None) is True
+    assert optimizer.grad_averager.steps == [None]  # a fresh round, not the failed control
+    assert not optimizer.scheduled_grads.done() and skipped == []
+
+    optimizer.tracker.global_progress.num_peers = 1  # alone, it still skips as upstream does
+    optimizer.scheduled_grads = _Control(done=True)
+    assert optimizer._begin_averaging_gradients(grad_scaler=None) is False
+    assert skipped == [True] and optimizer.scheduled_grads is None and len(optimizer.grad_averager.steps) == 1

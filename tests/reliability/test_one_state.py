@@ -72,7 +72,7 @@ async def test_peers_found_apart_at_their_last_epoch_leave_with_one_state(tmp_pa
 
     apart = [event for peer in (first, drifter) for event in peer.events
              if isinstance(event, StateChecked) and not event.agrees and event.epoch == LAST_EPOCH]
-    assert apart, "nobody found the drift at the last epoch"
+    assert apart, f"nobody found the drift at the last epoch\n{first.warnings()}\n{drifter.warnings()}"
     downloads = [event for peer in (first, drifter) for event in peer.events
                  if isinstance(event, StateDownloaded) and event.epoch == LAST_EPOCH]
     assert downloads, "the peer apart left with its own state"

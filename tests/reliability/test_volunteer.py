@@ -57,7 +57,7 @@ async def test_a_paused_peer_holds_up_no_round_counts_nothing_and_resumes_into_t
                          and event.epoch >= paused.epoch + 2)  # past any round the volunteer was already in
             rounds = [event for event in events[since:] if isinstance(event, RoundEnded)]
             assert rounds and all(event.group_size <= 2 and event.outcome in ("ok", "partial") for event in rounds), \
-                rounds
+                f"{rounds}\n{peer.warnings()}"
         # and the paused one counts nothing: no sample, no epoch, no round, while it is paused
         assert scrape(port_of(volunteer.metrics_url))[("peer_samples_total", ())] == samples_when_paused
         assert not any(isinstance(event, (EpochEnded, RoundEnded)) and event.time > paused.time
