@@ -16,7 +16,7 @@ if __package__ in (None, ""):
 from benchmarks import common
 
 ORDER = ("local_overhead", "allreduce_link", "compression", "uplink", "diloco_recipes", "offload", "scaling",
-         "one_state", "straggler")
+         "one_state", "straggler", "peer_memory")
 
 
 def _f(value, digits: int = 3, suffix: str = "") -> str:
@@ -212,6 +212,23 @@ def straggler(doc: dict) -> str:
     return (f"`{r['task']}`, one of three peers on a {r['slow_rate']} link, {r['measure_seconds']:.0f} s windows. "
             f"Ratios of the fast peers' epoch rates: {ratios} (goal slow-3/fast-2 ≥ {r['goal']['min_ratio']}: "
             f"{met}).\n\n" + "\n".join(lines))
+
+
+def peer_memory(doc: dict) -> str:
+    r = doc["results"]
+    lines = ["| peer | role | processes | PSS MiB | USS MiB | RSS MiB | CPU s/s training | CPU s/s paused |",
+             "|---|---|---|---|---|---|---|---|"]
+    for peer in r["peers"]:
+        for role, totals in sorted(peer["by_role"].items(), key=lambda item: -item[1]["pss_mib"]):
+            lines.append(f"| {peer['name']} | {role} | {totals['processes']:g} | {totals['pss_mib']:.0f} | "
+                         f"{totals['uss_mib']:.0f} | {totals['rss_mib']:.0f} | {_f(totals['cpu_training'], 2)} | "
+                         f"{_f(totals['cpu_paused'], 2)} |")
+        lines.append(f"| {peer['name']} | **all** | {len(peer['processes'])} | **{peer['pss_mib']:.0f}** | - | "
+                     f"{peer['rss_mib']:.0f} | {_f(peer['cpu_training'], 2)} | {_f(peer['cpu_paused'], 2)} |")
+    flags = " ".join(r["peer_args"]) or "none"
+    return (f"`{r['task']}`, two peers, extra flags: {flags}; readings after {r['warm_epochs']} epochs, CPU over "
+            f"{r['window_seconds']:g} s windows. **{r['pss_mib_per_peer']:.0f} MiB PSS per peer.**\n\n"
+            + "\n".join(lines))
 
 
 def main() -> int:

@@ -140,7 +140,7 @@ def test_a_round_scheduled_ahead_that_already_failed_is_replaced_by_a_fresh_one_
     optimizer.round_skipped = lambda: skipped.append(True)
     optimizer.scheduled_grads, optimizer.grad_averager = _Control(done=True), _GradientAverager()
     optimizer.tracker = SimpleNamespace(global_progress=SimpleNamespace(num_peers=2))
-    optimizer.status_loglevel = logging.DEBUG
+    optimizer.status_loglevel, optimizer._parent_pid = logging.DEBUG, None  # upstream's __del__ reads the latter
 
     assert optimizer._begin_averaging_gradients(grad_scaler=None) is True
     assert optimizer.grad_averager.steps == [None]  # a fresh round, not the failed control

@@ -215,3 +215,46 @@ def test_pause_smoke(tmp_path: Path):
     resume = results["rounds"][1]
     assert resume["command_exits"] == [0, 0] and {"pause_seconds", "resuming_seconds", "downloaded"} <= resume.keys()
     assert STATS <= results["ratio"].keys()
+
+
+@pytest.mark.timeout(150)
+def test_peer_memory_smoke(tmp_path: Path):
+    """Every process of each peer is read and named, and a peer's PSS is the sum over them."""
+    results, _ = run_benchmark("peer_memory", tmp_path, timeout=130.0)
+    assert {"task", "peer_args", "warm_epochs", "window_seconds", "peers", "pss_mib_per_peer"} <= results.keys()
+    assert len(results["peers"]) == 2
+    for peer in results["peers"]:
+        counts = {role: totals["processes"] for role, totals in peer["by_role"].items()}
+        # the daemon's defaults: two data workers; sync averaging's gradient and state averagers
+        assert counts["training"] == counts["dht"] == counts["p2pd"] == 1 and counts["data_worker"] == 2, counts
+        assert counts["averager"] == 2, counts
+        assert peer["pss_mib"] == pytest.approx(sum(row["pss_mib"] for row in peer["processes"]), abs=0.2)
+        assert all(0 < row["pss_mib"] <= row["rss_mib"] for row in peer["processes"])
+        assert all(row["cpu_paused"] is not None and row["cpu_training"] is not None for row in peer["processes"])
+    assert results["pss_mib_per_peer"] > 0
+
+
+@pytest.mark.timeout(150)
+def test_swarm_views_smoke(tmp_path: Path):
+    """Simulated peers' records pass every node's validators: each reader sees all of them and the real peer."""
+    results, _ = run_benchmark("swarm_views", tmp_path, timeout=130.0)
+    assert {"task", "real_peers", "publishers", "sizes", "schedule", "status_runs", "monitor_refreshes",
+            "key_generation_seconds", "windows", "by_size", "real_peer_exit_codes",
+            "real_peer_epochs"} <= results.keys()
+    assert [row["n"] for row in results["windows"]] == results["schedule"] == [0, 5]
+    for row in results["windows"]:
+        expected = row["n"] + results["real_peers"]
+        assert row["complete"] and row["expected_peers"] == expected, row
+        assert set(row["reader_saw"].values()) == {expected}
+        assert row["status_peers"] == row["status_training_peers"] == [expected] * results["status_runs"]
+        assert row["status_exit_codes"] == [0] * results["status_runs"]
+        assert row["monitor_peers"] == row["claims_believed"] == expected
+        for name in ("status_seconds", "monitor_refresh_seconds", "monitor_render_seconds", "claim_filter_ms"):
+            assert STATS <= row[name].keys() and row[name]["n"] >= 1, name
+        memory = row["memory_mib"]
+        assert len(memory["real_peers"]) == results["real_peers"] and len(memory["publishers"]) == results["publishers"]
+        assert all(0 < peer["training_pss"] <= peer["tree_pss"] for peer in memory["real_peers"])
+        assert memory["status_tree_pss_max"] > 0 and row["publisher"]["failed"] == 0 and not row["errors"]
+    assert row["record_bytes"]["peers"] > 0  # the last window's: 5 simulated PeerInfo records and the real peer's
+    assert set(results["by_size"]) == {"5"} and "epoch_rate_ratio" in results["by_size"]["5"]
+    assert results["real_peer_exit_codes"] == [0] * results["real_peers"]  # a graceful stop, with the records around
