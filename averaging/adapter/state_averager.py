@@ -32,7 +32,10 @@ from averaging.pipeline.state_digest import state_digest
 logger = logging.getLogger(__name__)
 
 
-HOSTILE_DONOR_BONUS = 0.9
+HOSTILE_DONOR_BONUS = 1.9
+"""What a hostile donor (tests) adds to its declared priority: it ranks first even while its declaration of a new
+epoch lags the others' (with 0.9, a downloader that asked just as the honest peers entered the epoch took their
+state first, in CI, and never met the hostile one)."""
 
 
 class StateDownloadFailed(RuntimeError):

@@ -24,7 +24,9 @@ its records, so it cannot drive the swarm's epochs. A clock ahead of the swarm's
 matchmaking window writes records the others refuse ("written in the future"); it sees few or none of
 theirs (they look expired to it), and learns so from the swarm's longer-lived clock records (dht/clock.py).
 Records of peers this peer has excluded (averaging/pipeline/exclusion.py) are not believed either: an excluded
-peer's samples were never averaged, so they must not count toward the target.
+peer's samples were never averaged, so they must not count toward the target. Nor are paused peers' records
+(`is_paused`): such a peer joins no round, and counted as a peer it would make one whose only partner paused wait
+out every round's matchmaking (seen: one epoch per 20 s instead of 870 a minute).
 
 The owner of an absurd record is ignored for the rest of the run; an epoch beyond the bound is only
 not believed for now (an honest peer that trained alone for a while becomes believable as time
@@ -51,6 +53,18 @@ RATE_MARGIN = 3.0
 EPOCH_LEAD = 8
 """Epochs a claim may lead by beyond the measured rate: rates are averages, and tiny epochs end early."""
 RATE_MEMORY_SECONDS = 60.0
+PAUSED_RATE_AT_MOST = 1e-9
+"""A paused peer's record carries hivemind's "no rate" (1e-20; averaging/swarm/progress.py stand_idle)."""
+
+
+def is_paused(value) -> bool:
+    """Whether a progress record is a paused peer's: it marks itself a client, with no samples and no rate. (A peer
+    that has not stepped yet has no rate either, but counts: it is about to join the rounds.)"""
+    try:
+        return (value["client_mode"] is True and int(value["samples_accumulated"]) == 0
+                and float(value["samples_per_second"]) <= PAUSED_RATE_AT_MOST)
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 class ClaimFilter:
@@ -88,7 +102,7 @@ class ClaimFilter:
             if owner == self.own_owner or value is None:
                 kept[owner] = entry
                 continue
-            if owner in self.ignored or _get(entry, "peer_id") in excluded:
+            if owner in self.ignored or _get(entry, "peer_id") in excluded or is_paused(value):
                 continue
             absurd = self._absurd(value, getattr(entry, "expiration_time", now), now)
             if absurd is not None:

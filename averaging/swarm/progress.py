@@ -53,14 +53,20 @@ def announce(tracker: ProgressTracker, key: RSAPrivateKey) -> None:
 
 def stand_idle(tracker: ProgressTracker, epoch: int) -> None:
     """A paused peer's record: no samples and no rate, so that the swarm neither counts nor expects any from it
-    (hivemind estimates the time to the next epoch from every record's rate). The caller holds
-    tracker.pause_updates(). The rate comes back with the first step after stand_active."""
+    (hivemind estimates the time to the next epoch from every record's rate), and marked as a client's, so that the
+    others do not count it as a peer to average with (averaging/swarm/claims.py is_paused) and its epoch drives no
+    one's. The caller holds tracker.pause_updates(). The rate comes back with the first step after stand_active."""
+    if not hasattr(tracker, "client_mode_when_active"):
+        tracker.client_mode_when_active = tracker.client_mode
+    tracker.client_mode = True
     tracker.performance_ema.samples_per_second = tracker.performance_ema.eps
     tracker.report_local_progress(epoch, samples_accumulated=0)
 
 
 def stand_active(tracker: ProgressTracker) -> None:
-    """After a pause: the next step's rate is measured from now, not from before the pause."""
+    """After a pause: a peer that averages again, whose next step's rate is measured from now, not from before the
+    pause."""
+    tracker.client_mode = getattr(tracker, "client_mode_when_active", tracker.client_mode)
     tracker.performance_ema.reset_timer()
 
 

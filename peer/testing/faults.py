@@ -31,7 +31,7 @@ Two more make this peer a hostile one, for all of its run:
 - `send_nan_gradients`: every gradient it computes is NaN, and sent past its own guard (which would
   drop such a batch), as a broken or malicious peer's would be;
 - `serve_corrupted_state`: it trains honestly, but a peer that downloads its state gets every tensor
-  negated, and it claims a priority a step ahead of its epoch so that downloading peers pick it first.
+  negated, and it claims a priority nearly two steps ahead of its epoch so that downloading peers pick it first.
 
 Every injected fault is logged as a warning that says it was injected.
 """

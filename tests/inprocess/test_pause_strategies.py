@@ -9,6 +9,7 @@ import torch
 from averaging.api import Replica
 from averaging.config import AveragingConfig
 from averaging.strategies.factory import build_swarm_optimizer
+from averaging.swarm.claims import is_paused
 from dht.keys import SwarmKeys
 from tests.inprocess.test_averaging import LOCALHOST
 
@@ -46,6 +47,8 @@ def test_a_paused_strategy_counts_nothing_claims_no_rate_and_counts_again_once_r
         assert tracker.local_progress.samples_accumulated == 0 and optimizer.local_epoch == 0
         assert tracker.local_progress.samples_per_second == none  # the others expect nothing of it
         assert optimizer.swarm_view().samples_per_second == none
+        # and marked as a paused peer's record, which no other peer counts as a peer to average with
+        assert tracker.local_progress.client_mode and is_paused(tracker.local_progress.dict())
         if strategy == "diloco":  # its inner steps went with the samples they counted: back at the round's start
             assert all(torch.equal(a, b.detach()) for a, b in zip(start, model.parameters()))
         if strategy == "sync":  # and what it had accumulated toward the epoch is gone
@@ -54,6 +57,7 @@ def test_a_paused_strategy_counts_nothing_claims_no_rate_and_counts_again_once_r
         optimizer.resume()
         one_step(model, optimizer)
         assert tracker.local_progress.samples_accumulated == BATCH and tracker.local_progress.samples_per_second != none
+        assert not tracker.local_progress.client_mode and not is_paused(tracker.local_progress.dict())
     finally:
         if optimizer is not None:
             optimizer.shutdown()

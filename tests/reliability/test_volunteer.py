@@ -93,6 +93,28 @@ async def test_a_paused_peer_holds_up_no_round_counts_nothing_and_resumes_into_t
 
 
 @pytest.mark.timeout(240)
+async def test_a_peer_whose_only_partner_paused_trains_on_alone_without_waiting_for_a_group(tmp_path: Path):
+    """The paused peer's progress record stays in the DHT (marked as paused): counted as a peer to average with, it
+    made the other wait out matchmaking each epoch (averaging timeout 20 s here) and fail the round."""
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "48", "--min-peers", "2",
+                     "--max-epochs", "200", fast=True) as swarm:
+        peers = await swarm.start(2, *swarm.ends_on_request())
+        first, volunteer = peers
+        await swarm.all_reached(2, timeout=120)
+        done = await peer_command(tmp_path, "pause", "--checkpoint-dir", str(tmp_path / volunteer.name))
+        assert done.returncode == 0, done.stdout + done.stderr
+        paused = await volunteer.wait_for(Paused, timeout=10, what="the pause")
+
+        await first.reach(first.epoch + 6, timeout=90)  # a hang guard: 6 rounds that each waited would take 120 s
+        since = next(i for i, event in enumerate(first.events) if isinstance(event, EpochEnded)
+                     and event.epoch >= paused.epoch + 2)  # past any round the volunteer was in
+        rounds = [event for event in first.events[since:] if isinstance(event, RoundEnded)]
+        assert rounds and all(event.outcome == "skipped" for event in rounds), f"{rounds}\n{first.warnings()}"
+        swarm.end_soon([first])
+        assert await first.exit_code(timeout=120) == 0
+
+
+@pytest.mark.timeout(240)
 async def test_a_peer_yields_to_a_program_that_burns_the_cpu(tmp_path: Path):
     """Whatever else this machine runs, two burners outside the peer's processes make others use over 40% of it."""
     async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "48", fast=True) as swarm:

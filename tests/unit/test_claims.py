@@ -9,7 +9,7 @@ import pytest
 from averaging.api import AveragingHooks
 from averaging.deadlines import AdaptiveDeadlines
 from averaging.strategies.rounds import RoundKeeper
-from averaging.swarm.claims import EPOCH_LEAD, MAX_TARGETS_OF_SAMPLES, ClaimFilter
+from averaging.swarm.claims import EPOCH_LEAD, MAX_TARGETS_OF_SAMPLES, ClaimFilter, is_paused
 
 TARGET = 100
 NOW = 1000.0
@@ -141,6 +141,18 @@ def test_records_of_excluded_peers_are_not_believed():
     assert set(believed.filter(records, NOW)) == {ME, HONEST, LIAR}
     excluded.add(b"liar-peer")
     assert set(believed.filter(records, NOW + 1)) == {ME, HONEST}
+
+
+def test_a_paused_peers_record_counts_no_peer_while_one_that_has_not_stepped_yet_does():
+    """A peer whose only partner paused must see itself alone, or it waits out every round's matchmaking."""
+    paused, fresh = entry(3, rate=1e-20), entry(3, rate=1e-20)
+    paused.value["client_mode"] = True  # as averaging/swarm/progress.py stand_idle writes it
+    assert is_paused(paused.value) and not is_paused(fresh.value)
+    assert set(claims().filter({ME: entry(3), LIAR: paused, HONEST: fresh}, NOW)) == {ME, HONEST}
+    training_client = entry(3, samples=10)  # a client-mode peer (behind NAT) that trains counts, as before
+    training_client.value["client_mode"] = True
+    assert not is_paused(training_client.value)
+    assert set(claims().filter({ME: entry(3), HONEST: training_client}, NOW)) == {ME, HONEST}
 
 
 def test_one_of_two_other_peers_ahead_does_not_make_a_right_clock_blame_itself(caplog):
