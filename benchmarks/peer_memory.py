@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks import common  # noqa: E402 (after the path fix above)
+from benchmarks.pause import peer_command  # noqa: E402
 
 NAME = "peer_memory"
 TASK_ARGS = ("--task", "bytelm-tiny", "--target-batch-size", "256")
@@ -128,12 +128,6 @@ def peer_report(roles: Dict[int, str], training: Dict[int, float], paused: Dict[
             "rss_mib": round(sum(row["rss_mib"] for row in rows), 1),
             "cpu_training": round(sum(row["cpu_training"] or 0.0 for row in rows), 3),
             "cpu_paused": round(sum(row["cpu_paused"] or 0.0 for row in rows), 3)}
-
-
-async def peer_command(work: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(common.REPO_ROOT)}
-    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "peer", *args], cwd=work, env=env,
-                                   capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
 
 
 async def measure(work: Path, peer_args: List[str], warm_epochs: int, window: float, log) -> List[dict]:
