@@ -219,6 +219,35 @@ def kill_session(process: subprocess.Popen, wait_seconds: float = 10.0) -> None:
         pass
 
 
+# ---------------------------------------------------------------------------------------- processes
+
+
+def process_memory_kib(pid: int) -> Dict[str, int]:
+    """A process's memory from /proc/<pid>/smaps_rollup, in KiB: ``Rss``, ``Pss`` (a page shared by k processes
+    counts 1/k: summed over a peer's processes, what the peer costs) and ``Uss`` (its private pages); zeros once
+    it is gone."""
+    found = {"Rss": 0, "Pss": 0, "Private_Clean": 0, "Private_Dirty": 0}
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name in found:
+                found[name] = int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"Rss": found["Rss"], "Pss": found["Pss"], "Uss": found["Private_Clean"] + found["Private_Dirty"]}
+
+
+def process_cpu_seconds(pid: int) -> Optional[float]:
+    """User and system CPU seconds a process has used so far (None once it is gone)."""
+    import psutil
+
+    try:
+        times = psutil.Process(pid).cpu_times()
+        return times.user + times.system
+    except psutil.Error:
+        return None
+
+
 CORPUS_BYTES = 4 * 1024 * 1024
 """The text --task hf-causal-lm reads in a benchmark that names none: as much of the stdlib's sources as bytelm."""
 

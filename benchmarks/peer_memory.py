@@ -6,7 +6,7 @@ have trained ``--warm-epochs`` epochs, every process of each peer's session is r
 seconds each: while it trains, and while it is paused (`peer pause`: what a volunteer's machine pays for a peer
 that waits).
 
-Memory is PSS (proportional set size, /proc/<pid>/smaps_rollup through psutil): a page shared by k processes counts
+Memory is PSS (proportional set size, /proc/<pid>/smaps_rollup): a page shared by k processes counts
 1/k in each, so the sum over a peer's processes is what the peer costs. The sum of RSS counts every page that
 forked processes share (torch's libraries, the model) once per process, and overstates it several times.
 
@@ -48,7 +48,6 @@ from benchmarks.pause import peer_command  # noqa: E402
 
 NAME = "peer_memory"
 TASK_ARGS = ("--task", "bytelm-tiny", "--target-batch-size", "256")
-MIB = 2 ** 20
 AVERAGER_MIN_THREADS = 6
 
 
@@ -76,33 +75,24 @@ def session_processes(root_pid: int) -> Dict[int, str]:
 def memory(pid: int) -> Optional[dict]:
     import psutil
 
+    kib = common.process_memory_kib(pid)
     try:
-        process = psutil.Process(pid)
-        info = process.memory_full_info()
-        return {"pss_mib": round(info.pss / MIB, 1), "uss_mib": round(info.uss / MIB, 1),
-                "rss_mib": round(info.rss / MIB, 1), "threads": process.num_threads()}
+        threads = psutil.Process(pid).num_threads()
     except psutil.Error:
         return None
+    return {"pss_mib": round(kib["Pss"] / 1024, 1), "uss_mib": round(kib["Uss"] / 1024, 1),
+            "rss_mib": round(kib["Rss"] / 1024, 1), "threads": threads}
 
 
 def cpu_rates(pids: List[int], seconds: float) -> Dict[int, float]:
     """CPU seconds per second of each process over the next `seconds`."""
-    import psutil
-
-    def cpu_seconds(pid: int) -> Optional[float]:
-        try:
-            times = psutil.Process(pid).cpu_times()
-            return times.user + times.system
-        except psutil.Error:
-            return None
-
-    before = {pid: cpu_seconds(pid) for pid in pids}
+    before = {pid: common.process_cpu_seconds(pid) for pid in pids}
     started = time.monotonic()
     time.sleep(seconds)
     elapsed = time.monotonic() - started
     rates = {}
     for pid in pids:
-        after = cpu_seconds(pid)
+        after = common.process_cpu_seconds(pid)
         if before[pid] is not None and after is not None:
             rates[pid] = round((after - before[pid]) / elapsed, 3)
     return rates

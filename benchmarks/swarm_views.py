@@ -318,19 +318,6 @@ class Publisher(threading.Thread):
 # ---------------------------------------------------------------------------------------- measuring
 
 
-def memory_kib(pid: int) -> Dict[str, int]:
-    """Rss and Pss of one process, in KiB (0 once it is gone)."""
-    found = {"Rss": 0, "Pss": 0}
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            name, _, rest = line.partition(":")
-            if name in found:
-                found[name] = int(rest.split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    return found
-
-
 def family(pid: int, tree: bool = True) -> List[psutil.Process]:
     """A process and, with `tree`, its live descendants (DHT, p2pd, averagers, data workers)."""
     try:
@@ -341,18 +328,11 @@ def family(pid: int, tree: bool = True) -> List[psutil.Process]:
 
 
 def tree_pss_mib(pid: int) -> float:
-    return round(sum(memory_kib(each.pid)["Pss"] for each in family(pid)) / 1024, 1)
+    return round(sum(common.process_memory_kib(each.pid)["Pss"] for each in family(pid)) / 1024, 1)
 
 
 def cpu_seconds(pid: int, tree: bool) -> float:
-    total = 0.0
-    for each in family(pid, tree):
-        try:
-            times = each.cpu_times()
-            total += times.user + times.system
-        except psutil.Error:
-            pass
-    return total
+    return sum(common.process_cpu_seconds(each.pid) or 0.0 for each in family(pid, tree))
 
 
 def run_status(args: List[str], workdir: Path) -> dict:
@@ -365,7 +345,7 @@ def run_status(args: List[str], workdir: Path) -> dict:
         peak = 0.0
         try:
             while process.poll() is None and time.monotonic() - started < STATUS_TIMEOUT_SECONDS + 30:
-                pss = sum(memory_kib(each.pid)["Pss"] for each in session_processes(process.pid)) / 1024
+                pss = sum(common.process_memory_kib(each.pid)["Pss"] for each in session_processes(process.pid)) / 1024
                 peak = max(peak, pss)
                 time.sleep(0.2)
             seconds = time.monotonic() - started
@@ -516,9 +496,10 @@ def quiet_stretch(bench: Bench, row: dict) -> None:
     row["cpu_cores"] = {name: [round((cpu_seconds(*each) - before) / (until - since), 3)
                                for each, before in zip(members, cpu_before[name])]
                         for name, members in groups.items()}
+    training = {peer.pid: common.process_memory_kib(peer.pid) for peer in bench.real}
     row["memory_mib"] = {
-        "real_peers": [{"training_pss": round(memory_kib(peer.pid)["Pss"] / 1024, 1),
-                        "training_rss": round(memory_kib(peer.pid)["Rss"] / 1024, 1),
+        "real_peers": [{"training_pss": round(training[peer.pid]["Pss"] / 1024, 1),
+                        "training_rss": round(training[peer.pid]["Rss"] / 1024, 1),
                         "tree_pss": tree_pss_mib(peer.pid)} for peer in bench.real],
         "publishers": [tree_pss_mib(publisher.dht.pid) for publisher in bench.publishers],
         "reader": tree_pss_mib(bench.reader.pid),
