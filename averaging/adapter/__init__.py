@@ -14,6 +14,8 @@ modules split out of the former averaging/hivemind_compat.py keep their history 
 - pacing.py: matchmaking lookups and state-donor declarations spaced out (200 DHT requests a second to 20);
 - recorded_steps.py: every round started in this process is recorded (`open_rounds`), so that a leaving peer
   can drop the rounds nobody will join;
+- epoch_keys.py: every round gathers the epoch it leads to and looks for a group under a key that names it, so
+  that peers of different epochs never average together (`round_epoch` reads it back from a round);
 - progress_filter.py: a progress tracker reads only the progress records its ClaimFilter believes;
 - late_stores.py: DHT stores hivemind fires and never awaits have their timeouts retrieved (no asyncio noise);
 - codec_registry.py: our codecs' wire ids, taught to hivemind's decoder;
@@ -28,8 +30,10 @@ modules split out of the former averaging/hivemind_compat.py keep their history 
 - optimizer.py, state_averager.py: hivemind's Optimizer and TrainingStateAverager, with the overrides our
   strategies need (averaging/strategies/).
 """
+from averaging.adapter.epoch_keys import round_epoch
 from averaging.adapter.install import install
 from averaging.adapter.recorded_steps import open_rounds
 from averaging.adapter.upstream import PINNED_VERSION, UPSTREAM, HivemindIncompatible, changed_upstream
 
-__all__ = ["PINNED_VERSION", "UPSTREAM", "HivemindIncompatible", "changed_upstream", "install", "open_rounds"]
+__all__ = ["PINNED_VERSION", "UPSTREAM", "HivemindIncompatible", "changed_upstream", "install", "open_rounds",
+           "round_epoch"]

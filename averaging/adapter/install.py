@@ -12,6 +12,7 @@ import hivemind
 
 from averaging.adapter import (
     allreduce,
+    epoch_keys,
     grace,
     late_stores,
     numpy2,
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 PATCHES: Dict[str, Callable] = {
     **numpy2.PATCHES, **pacing.PATCHES, **recorded_steps.PATCHES, **progress_filter.PATCHES,
-    **allreduce.PATCHES, **refusals.PATCHES, **grace.PATCHES, **late_stores.PATCHES,
+    **allreduce.PATCHES, **refusals.PATCHES, **epoch_keys.PATCHES, **grace.PATCHES, **late_stores.PATCHES,
 }
 """Every upstream function the adapter replaces, by qualified name."""
 remember_originals(PATCHES)

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import hivemind
 from hivemind.optim.state_averager import TrainingStateAverager
 
+from averaging.adapter.epoch_keys import gather_epochs
 from averaging.pipeline.error_feedback import ErrorFeedback
 from averaging.pipeline.robust import WeightBound
 from averaging.pipeline.round_pipeline import including
@@ -32,6 +33,8 @@ class HookedOptimizer(hivemind.Optimizer):
         # before super().__init__, which builds the gradient averager
         self.error_feedback, self.weight_bound = error_feedback, weight_bound
         super().__init__(**kwargs)
+        if self.grad_averager is not None:  # a gradient round leads to the next epoch (local SGD has none)
+            gather_epochs(self.grad_averager, lambda: self.local_epoch + 1)
 
     # --- hooks ---------------------------------------------------------------------------------
 

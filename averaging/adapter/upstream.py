@@ -40,6 +40,9 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_AVERAGER}.rpc_download_state": ("fd2f6f19e7d247af", "averaging/adapter/refusals.py"),
     f"{_AVERAGER}._load_state_from_peers": ("fe7b419d01ced5fe", "averaging/adapter/refusals.py"),
     f"{_MATCHMAKING}._request_join_group": ("df823040a94d1c1d", "averaging/adapter/refusals.py"),
+    f"{_MATCHMAKING}.looking_for_group": ("a7f0ac4565e90cc9", "averaging/adapter/epoch_keys.py"),
+    "hivemind.averaging.key_manager.GroupKeyManager.current_key":
+        ("1b0f9d71104a01b3", "averaging/adapter/epoch_keys.py"),
     f"{_AVERAGER}.rpc_aggregate_part": ("06ad9597d5884df8", "averaging/adapter/grace.py"),
     "hivemind.averaging.averager.load_balance_peers": ("32f8b8d0c41d2653", "averaging/adapter/grace.py"),
     "hivemind.optim.power_sgd_averager.load_balance_peers": ("32f8b8d0c41d2653", "averaging/adapter/grace.py"),
@@ -125,6 +128,8 @@ def remember_originals(names: Iterable[str]) -> None:
 
 def fingerprint(qualified_name: str) -> str:
     original = _originals.get(qualified_name) or resolve(qualified_name)
+    if isinstance(original, property):
+        original = original.fget
     return hashlib.sha256(inspect.getsource(original).encode()).hexdigest()[:16]
 
 

@@ -363,7 +363,7 @@ class DiLoCoOptimizer(SharesState):
         # weighted like the sync strategy's gradients: by the samples this peer took inner steps on, per target batch
         weight = float(max(1, self._samples_stepped)) / self.round_length.factor
         self.rounds.samples_per_weight = float(self.round_length.factor)  # what the reducers credit others with
-        return launch_round(self.grad_averager, pseudo_grads, weight=weight,
+        return launch_round(self.grad_averager, pseudo_grads, epoch=self.local_epoch + 1, weight=weight,
                             timeout_seconds=self._deadlines.averaging_timeout_seconds, alone=not self._others_present(),
                             before_round=lambda: self.rounds.hooks.before_round(self.local_epoch))
 

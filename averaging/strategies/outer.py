@@ -54,9 +54,10 @@ class OuterRound:
             self.control.cancel()
 
 
-def launch_round(averager: DecentralizedAverager, pseudo_grads: List[torch.Tensor], *, weight: float,
+def launch_round(averager: DecentralizedAverager, pseudo_grads: List[torch.Tensor], *, epoch: int, weight: float,
            timeout_seconds: float, alone: bool, before_round: Callable[[], None]) -> OuterRound:
-    """Start averaging `pseudo_grads` with a group through `averager` (its tensors: one buffer per parameter)."""
+    """Start averaging `pseudo_grads` with a group through `averager` (its tensors: one buffer per parameter), with
+    the peers whose round leads to `epoch` too (averaging/adapter/epoch_keys.py)."""
     started = time.monotonic()
     flight = OuterRound(pseudo_grads, started, started + timeout_seconds)
     if alone:
@@ -67,7 +68,7 @@ def launch_round(averager: DecentralizedAverager, pseudo_grads: List[torch.Tenso
             buffer.copy_(grad)
     try:
         before_round()
-        flight.control = averager.step(weight=weight, timeout=timeout_seconds, wait=False)
+        flight.control = averager.step(gather=epoch, weight=weight, timeout=timeout_seconds, wait=False)
     except BaseException as e:  # hivemind raises many kinds; all of them mean "use the local delta"
         flight.outcome = _failed(flight, e)
     return flight

@@ -11,12 +11,13 @@
   as when a reducer died: the apart peer with the smallest id becomes the reference and the others
   download its state, instead of trading states at random. After two timeouts, a peer that has
   still seen no donor goes on with its own state.
-- Settling: hivemind groups peers of different epochs. A peer that joined a round of the epoch after
-  its own leaves it one epoch behind the others for good, with other parameters, while upstream
-  checks only once, right after the transition, when the others may not have reported their new
-  epoch yet. So the check is made again SETTLE_SECONDS later, on a fresh read of the swarm's
-  progress: no peer can finish another round that soon (a round takes a matchmaking window), so a
-  swarm already ahead then means this peer is out of step, and it downloads.
+- Settling: a peer can come out of its transition one epoch behind the others for good, with other
+  parameters: its round failed or timed out while theirs went on, or it was abandoned once they had all
+  moved past its epoch (rounds meet only rounds that lead to the same epoch: averaging/adapter/
+  epoch_keys.py). Upstream checks only once, right after the transition, when the others may not have
+  reported their new epoch yet. So the check is made again SETTLE_SECONDS later, on a fresh read of the
+  swarm's progress: no peer can finish another round that soon (a round takes a matchmaking window), so
+  a swarm already ahead then means this peer is out of step, and it downloads.
 - Deadlines: with 'auto', they are chosen again after every epoch from the swarm's rate.
 - Exclusion: the watch that turns reducers' verdicts into excluded peers runs as long as the rounds.
 - Role: a peer whose contribution its group's reducers left out as late stands aside from reducing parts for

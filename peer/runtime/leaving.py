@@ -151,6 +151,15 @@ def _everyone_else_announced(progress: Mapping[bytes, object], leaving: Mapping[
     return bool(others) and all(_announced(leaving.get(owner), epoch)[0] in states for owner, epoch in others.items())
 
 
+def may_join_round_to(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
+                      me: bytes) -> bool:
+    """Whether another peer may still join a round that leads to `epoch`: one behind it that has not said it
+    leaves or pauses. Rounds meet only rounds that lead to the same epoch (averaging/adapter/epoch_keys.py), so a
+    peer already at `epoch` or past it never will."""
+    return any(their_epoch < epoch and _announced(leaving.get(owner), their_epoch)[0] is None
+               for owner, their_epoch in _current_epochs(progress, leaving, me).items())
+
+
 def needs_of_others(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
                     me: bytes) -> Dict[bytes, Need]:
     """What every other peer with a progress record may still need from a peer leaving at `epoch`.

@@ -13,7 +13,8 @@
   need it.
 - Leaving for any reason: rounds still looking for a group a matchmaking window (plus a second for
   the leader's answer) after leaving began never will find one, and are abandoned; without this,
-  Ctrl+C on a peer whose partners just left waits each round out.
+  Ctrl+C on a peer whose partners just left waits each round out. So are the rounds of a peer left
+  behind, once every other peer is at or past the epoch they lead to.
 
 Every record lives in the run's training namespace (dht/keys.py), in this peer's own signed
 subkey, for as long as progress records live.
@@ -47,6 +48,7 @@ from peer.runtime.leaving import (
     has_peer_behind,
     leave_record,
     may_have_final_state,
+    may_join_round_to,
     needs_of_others,
 )
 
@@ -75,10 +77,11 @@ class SwarmSession:
         self.on_progress = on_progress  # heartbeat for /healthz: waiting for peers by design is not a stall
         self.me = own_subkey()
         self._leaving = threading.Event()
-        self._others_leaving_read_at, self._others_leaving = -math.inf, False
+        self._records_read_at, self._records = -math.inf, None
         self._round_abandoner = RoundAbandoner(
             leaving=lambda: bool(stop) or self._leaving.is_set() or self._others_leaving_now(),
             grace_seconds=lambda: optimizer.deadlines.matchmaking_seconds + 1.0,
+            nobody_joins=self._nobody_joins,
         )
         self._round_abandoner.start()
 
@@ -214,15 +217,25 @@ class SwarmSession:
         self._round_abandoner.finish()
 
     def _others_leaving_now(self) -> bool:
-        """Whether every other peer has announced that it leaves (read from the DHT at most once a second)."""
-        if time.monotonic() >= self._others_leaving_read_at + 1.0:
-            self._others_leaving_read_at = time.monotonic()
+        """Whether every other peer has announced that it leaves."""
+        records = self._recent_records()
+        return records is not None and everyone_else_leaving(*records, self.me)
+
+    def _nobody_joins(self, epoch: int) -> bool:
+        """Whether no other peer can join a round of this peer's that leads to `epoch` any more."""
+        records = self._recent_records()
+        return records is not None and not may_join_round_to(epoch, *records, self.me)
+
+    def _recent_records(self) -> Optional[tuple]:
+        """The progress and leave records, read from the DHT at most once a second; None if they could not be."""
+        if time.monotonic() >= self._records_read_at + 1.0:
+            self._records_read_at = time.monotonic()
             try:
-                self._others_leaving = everyone_else_leaving(*self._progress_and_leave_records(), self.me)
+                self._records = self._progress_and_leave_records()
             except Exception as e:  # a DHT that is shutting down: not knowing is no reason to drop a round
-                logger.debug(f"could not read whether the other peers are leaving: {e!r}")
-                self._others_leaving = False
-        return self._others_leaving
+                logger.debug(f"could not read the other peers' records: {e!r}")
+                self._records = None
+        return self._records
 
     def _progress_and_leave_records(self) -> tuple:
         """Every peer's progress record and leave record, by owner, read from the DHT now."""

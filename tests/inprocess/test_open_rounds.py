@@ -8,6 +8,7 @@ import hivemind
 import pytest
 import torch
 from hivemind.averaging.control import AveragingStage
+from hivemind.utils import MSGPackSerializer
 
 from averaging import adapter
 from averaging.swarm.open_rounds import RoundAbandoner
@@ -15,8 +16,10 @@ from tests.peers import wait_until
 
 
 class FakeRound:
-    def __init__(self, stage: AveragingStage, done: bool = False):
+    def __init__(self, stage: AveragingStage, done: bool = False, epoch=None):
         self.stage, self._done, self.cancelled = stage, done, False
+        # as DecentralizedAverager.step packs what a round gathers: our rounds gather the epoch they lead to
+        self.data_for_gather = MSGPackSerializer.dumps([0.0, 0, MSGPackSerializer.dumps(epoch)])
 
     def done(self) -> bool:
         return self._done or self.cancelled
@@ -50,6 +53,23 @@ def test_only_rounds_still_looking_for_a_group_after_the_grace_are_cancelled(mon
     clock.now += 0.1
     assert abandoner.poll() == 1
     assert looking.cancelled and not any(r.cancelled for r in (grouped, running, finished))
+
+
+def test_a_round_to_an_epoch_that_nobody_else_can_reach_is_cancelled_after_the_grace_and_no_other(monkeypatch):
+    """A peer the others left behind: its round leads to epoch 8, and every other peer is at 8 or past it."""
+    behind = FakeRound(AveragingStage.LOOKING_FOR_GROUP, epoch=8)
+    joinable = FakeRound(AveragingStage.LOOKING_FOR_GROUP, epoch=9)
+    no_epoch = FakeRound(AveragingStage.LOOKING_FOR_GROUP)
+    grouped = FakeRound(AveragingStage.RUNNING_ALLREDUCE, epoch=8)
+    monkeypatch.setattr(adapter, "open_rounds", weakref.WeakSet([behind, joinable, no_epoch, grouped]))
+    clock, asked = FakeClock(), []
+    abandoner = RoundAbandoner(leaving=lambda: False, grace_seconds=lambda: 2.0, clock=clock,
+                               nobody_joins=lambda epoch: asked.append(epoch) or epoch <= 8)
+    assert abandoner.poll() == 0 and not asked  # first seen now: it may still find its group
+    clock.now += 2.0
+    assert abandoner.poll() == 1
+    assert behind.cancelled and not any(r.cancelled for r in (joinable, no_epoch, grouped))
+    assert sorted(asked) == [8, 9]
 
 
 def test_whether_to_drop_rounds_is_asked_only_while_one_looks_for_a_group(monkeypatch):
@@ -95,6 +115,29 @@ def test_a_round_that_finds_its_group_while_leaving_is_asked_runs_on(monkeypatch
 
     assert RoundAbandoner(leaving=leaving, grace_seconds=lambda: 0.0, clock=FakeClock()).poll() == 0
     assert not looking.cancelled
+
+
+@pytest.mark.timeout(120)
+def test_a_real_round_to_an_epoch_nobody_else_can_reach_is_cancelled_long_before_its_timeout():
+    adapter.install()
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = abandoner = None
+    try:
+        averager = hivemind.averaging.DecentralizedAverager(
+            [torch.zeros(8)], dht, prefix="behind", min_matchmaking_time=1.0, request_timeout=0.5, start=True,
+        )
+        control = averager.step(gather=8, timeout=60, wait=False)  # as our rounds gather the epoch they lead to
+        abandoner = RoundAbandoner(leaving=lambda: False, grace_seconds=lambda: 1.0, poll_seconds=0.1,
+                                   nobody_joins=lambda epoch: epoch == 8)
+        abandoner.start()
+        wait_until(control.done, 30, message="the round to end")
+        assert control.cancelled()
+    finally:
+        if abandoner is not None:
+            abandoner.finish()
+        if averager is not None:
+            averager.shutdown()
+        dht.shutdown()
 
 
 @pytest.mark.timeout(120)

@@ -191,7 +191,7 @@ def test_a_whole_round_or_a_lone_peer_needs_no_download(outcome, others_present)
 
 
 def test_a_peer_that_the_swarm_is_already_ahead_of_just_after_its_transition_downloads_once():
-    """hivemind groups peers of different epochs: a peer whose round was the next epoch's stays one behind."""
+    """A peer whose round failed while the others' went on stays one behind."""
     keeper, _ = round_keeper()
     reads = []
 

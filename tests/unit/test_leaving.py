@@ -13,6 +13,7 @@ from peer.runtime.leaving import (
     has_peer_behind,
     leave_record,
     may_have_final_state,
+    may_join_round_to,
     needs_of_others,
 )
 
@@ -96,6 +97,17 @@ def test_a_swarm_whose_other_peers_all_announced_leaving_will_form_no_round_agai
     assert not everyone_else_leaving(progress(me=9, a=10, b=10), {A: leaving[A]}, ME)  # b may still train
     assert not everyone_else_leaving(progress(me=9, a=10), {A: leave_record(8, DONE)}, ME)  # stale: a restarted
     assert not everyone_else_leaving(progress(me=9), {}, ME)
+
+
+def test_a_round_to_an_epoch_can_be_joined_only_by_a_peer_still_behind_it_that_has_not_said_it_leaves():
+    """Rounds meet only rounds to the same epoch: a straggler whose round leads to 10 waits for nobody once the
+    others are at 10."""
+    assert may_join_round_to(10, progress(me=9, a=9, b=10), {}, ME)
+    assert not may_join_round_to(10, progress(me=9, a=10, b=11), {}, ME)
+    assert not may_join_round_to(10, progress(me=9, a=9), {A: leave_record(9, DONE)}, ME)  # a left at 9
+    assert not may_join_round_to(10, progress(me=9, a=9), {A: leave_record(10, DOWNLOADING)}, ME)  # newer
+    assert may_join_round_to(10, progress(me=9, a=9), {A: leave_record(7, DONE)}, ME)  # stale: a restarted
+    assert not may_join_round_to(10, progress(me=9), {}, ME)
 
 
 def test_a_final_state_exists_elsewhere_only_if_another_peer_reached_our_epoch():
