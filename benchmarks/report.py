@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parents[1])
@@ -16,7 +17,7 @@ if __package__ in (None, ""):
 from benchmarks import common
 
 ORDER = ("local_overhead", "allreduce_link", "compression", "uplink", "diloco_recipes", "offload", "scaling",
-         "one_state", "straggler", "peer_memory")
+         "one_state", "straggler", "peer_memory", "swarm_size")
 
 
 def _f(value, digits: int = 3, suffix: str = "") -> str:
@@ -229,6 +230,30 @@ def peer_memory(doc: dict) -> str:
     return (f"`{r['task']}`, two peers, extra flags: {flags}; readings after {r['warm_epochs']} epochs, CPU over "
             f"{r['window_seconds']:g} s windows. **{r['pss_mib_per_peer']:.0f} MiB PSS per peer.**\n\n"
             + "\n".join(lines))
+
+
+def _median_and_max(values: Optional[dict]) -> str:
+    return "n/a" if values is None else f"{values['median']}, {values['max']}"  # None: written before it was measured
+
+
+def swarm_size(doc: dict) -> str:
+    r = doc["results"]
+    lines = ["| peers | target batch | exit | ready s (median, max) | join s (median, max) | epochs/min | rounds | "
+             "state downloads | final states | max parameter difference | PSS MiB/peer | clock warnings | "
+             "asyncio errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in r["runs"]:
+        rounds = ", ".join(f"{outcome} {count}" for outcome, count in sorted(row["rounds"].items()))
+        lines.append(f"| {row['peers']} | {row['target_batch_size']} | {row['exit_code']} | "
+                     f"{_median_and_max(row.get('ready_seconds'))} | "
+                     f"{_median_and_max(row['join_seconds'])} | {row['epochs_per_minute']} | "
+                     f"{rounds} | {row['state_downloads']} | {row['states']} | {_e(row['max_parameter_difference'])} | "
+                     f"{row['pss_mib_per_peer']} | {row['clock_warnings']} | {row['asyncio_errors']} |")
+    reasons = [f"- {row['peers']} peers: " + "; ".join(f"{count}x {reason}" for reason, count in
+                                                  sorted(row["download_reasons"].items(), key=lambda item: -item[1]))
+               for row in r["runs"] if row.get("download_reasons")]
+    why = "\n\nWhy peers downloaded (their log lines):\n\n" + "\n".join(reasons) if reasons else ""
+    return f"`{r['task']}`, `peer swarm --data-workers 0`, {r['max_epochs']} epochs.\n\n" + "\n".join(lines) + why
 
 
 def main() -> int:

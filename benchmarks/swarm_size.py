@@ -4,17 +4,24 @@ For each swarm size N, `peer swarm --peers N` runs bytelm-tiny on 127.0.0.1 as a
 (`--data-workers 0`, each peer on its share of the cores, the target batch max(1024, 128 N), to --max-epochs),
 and the benchmark reads what the peers wrote:
 
-- ``join_seconds``: from the launch of `peer swarm` to each peer's `joined` event (median and max);
+- ``ready_seconds``: from the launch of `peer swarm` to each peer's `ready` event (its DHT and averagers are up;
+  `peer swarm` starts the others once the first is ready), median and max;
+- ``join_seconds``: from the launch to each peer's `joined` event (median and max): `peer swarm` waits for all N
+  peers by default (--min-peers), so every peer joins once the last is ready, a start settle and a validation
+  later;
 - ``epochs_per_minute``: the epochs of the run over the time from the last peer's `joined` event to the last
   peer's final `epoch` event;
-- ``rounds``: every peer's round outcomes, counted; ``state_downloads``: `state_downloaded` events;
+- ``rounds``: every peer's round outcomes, counted; ``state_downloads``: `state_downloaded` events, and
+  ``download_reasons``: the peers' log lines that start a download, their numbers replaced by N, counted;
 - ``max_parameter_difference``: the largest difference of any peer's final model from peer 0's (its last
   checkpoint), and ``states``: how many distinct final states there are (bit for bit: their SHA-256);
+  ``without_checkpoint``: the peers that wrote none (they failed early);
 - ``pss_mib_per_peer``: the proportional set size of each peer's processes (training, DHT, p2pd, averagers),
-  read once while every peer trains (after its second epoch), median over peers;
+  read once while every peer trains (after its first epoch), median over peers;
 - ``clock_warnings`` and ``asyncio_errors``: lines of the swarm's output that warn of a clock ahead or behind,
   and `Task exception was never retrieved` blocks from hivemind's internals;
-- ``exit_code`` of `peer swarm` (non-zero if any peer failed) and each peer's ``exit_reason``.
+- ``exit_code`` of `peer swarm` (non-zero if any peer failed), each peer's ``exit_reason``, and where the swarm
+  failed, ``output_tail``: the last 4000 characters of its output.
 
 Usage (from the repository root)::
 
@@ -50,6 +57,7 @@ NAME = "swarm_size"
 TASK = "bytelm-tiny"
 CLOCK_WARNING = re.compile(r"clock is at least [0-9]+s ahead")  # dht/clock.py
 ASYNCIO_ERROR = "Task exception was never retrieved"
+DOWNLOAD_LINE = re.compile(r"^\[peer-\d+\] \S+ \w+ [\w.]+: (.*downloading .*)$", re.MULTILINE)
 RUN_TIMEOUT_SECONDS = 1800.0
 
 
@@ -95,14 +103,20 @@ async def run_swarm(work: Path, peers: int, max_epochs: int, log) -> dict:
         swarm = harness.run("swarm", *args, name="swarm")
         deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
         while swarm.process.poll() is None and time.monotonic() < deadline:
-            if not pss and min(last_epochs(ckpt, peers)) >= 2:  # every peer trains: read each one's memory once
+            if not pss and min(last_epochs(ckpt, peers)) >= 1:  # every peer trains: read each one's memory once
                 roots = psutil.Process(swarm.process.pid).children()
                 pss = [value for value in map(peer_tree_pss_mib, (root.pid for root in roots)) if value is not None]
-                log(f"{peers} peers: {median(pss):.0f} MiB PSS per peer (median of {len(pss)})")
+                if pss:
+                    log(f"{peers} peers: {median(pss):.0f} MiB PSS per peer (median of {len(pss)})")
             await asyncio.sleep(2.0)
         exit_code = await swarm.exit_code(timeout=max(1.0, deadline - time.monotonic()))
         output = swarm.log()
     return {"launched": launched, "exit_code": exit_code, "output": output, "pss": pss}
+
+
+def median_and_max(values: List[float]) -> dict:
+    return {"median": common.rounded(median(values), 1) if values else None,
+            "max": common.rounded(max(values), 1) if values else None}
 
 
 def state_digest(state: Dict) -> str:
@@ -114,14 +128,15 @@ def state_digest(state: Dict) -> str:
 
 
 def read_run(work: Path, peers: int, max_epochs: int, swarm: dict) -> dict:
-    from peer.telemetry.events import EpochEnded, Joined, RoundEnded, StateDownloaded, read_events
+    from peer.telemetry.events import EpochEnded, Joined, Ready, RoundEnded, StateDownloaded, read_events
     from peer.testing import load_model_state, max_parameter_difference
 
     ckpt, summaries = work / "ckpt", work / "summaries"
     rounds: Counter = Counter()
-    joins, last_join, last_epoch_end, downloads, exit_reasons = [], 0.0, 0.0, 0, []
+    readies, joins, last_join, last_epoch_end, downloads, exit_reasons = [], [], 0.0, 0.0, 0, []
     for index in range(peers):
         events, _ = read_events(ckpt / f"peer-{index}.events.jsonl")
+        readies += [event.time - swarm["launched"] for event in events if isinstance(event, Ready)][:1]
         joined = next((event for event in events if isinstance(event, Joined)), None)
         if joined is not None:
             joins.append(joined.time - swarm["launched"])
@@ -133,21 +148,30 @@ def read_run(work: Path, peers: int, max_epochs: int, swarm: dict) -> dict:
         downloads += sum(isinstance(event, StateDownloaded) for event in events)
         summary = summaries / f"peer-{index}.json"
         exit_reasons.append(json.loads(summary.read_text()).get("exit_reason") if summary.exists() else None)
-    states = [load_model_state(ckpt / f"peer-{index}") for index in range(peers)]
-    difference = max(max_parameter_difference(states[0], state) for state in states)
-    distinct = len({state_digest(state) for state in states})
+    finals = {}
+    for index in range(peers):
+        try:
+            finals[index] = load_model_state(ckpt / f"peer-{index}")
+        except FileNotFoundError:  # it failed before its first checkpoint: the row says so
+            pass
+    difference = None
+    if 0 in finals:
+        difference = max(max_parameter_difference(finals[0], state) for state in finals.values())
+    distinct = len({state_digest(state) for state in finals.values()})
     minutes = (last_epoch_end - last_join) / 60 if last_join and last_epoch_end > last_join else None
     output = swarm["output"]
     return {
         "peers": peers, "target_batch_size": target_batch_size(peers), "exit_code": swarm["exit_code"],
         "exit_reasons": exit_reasons,
-        "join_seconds": {"median": common.rounded(median(joins), 1) if joins else None,
-                         "max": common.rounded(max(joins), 1) if joins else None},
+        "ready_seconds": median_and_max(readies), "join_seconds": median_and_max(joins),
         "epochs_per_minute": common.rounded(max_epochs / minutes, 2) if minutes else None,
         "rounds": dict(rounds), "state_downloads": downloads,
         "max_parameter_difference": difference, "states": distinct,
+        "without_checkpoint": [f"peer-{index}" for index in range(peers) if index not in finals],
         "pss_mib_per_peer": common.rounded(median(swarm["pss"]), 1) if swarm["pss"] else None,
+        "download_reasons": dict(Counter(re.sub(r"\d+(\.\d+)?", "N", line) for line in DOWNLOAD_LINE.findall(output))),
         "clock_warnings": len(CLOCK_WARNING.findall(output)), "asyncio_errors": output.count(ASYNCIO_ERROR),
+        "output_tail": output[-4000:] if swarm["exit_code"] != 0 else "",
     }
 
 
@@ -169,12 +193,15 @@ def main(argv=None) -> int:
             row = {**read_run(Path(work), peers, max_epochs, swarm),
                    "wall_seconds": round(time.monotonic() - started, 1)}
         rows.append(row)
+        if row["exit_code"] != 0:
+            run.note(f"{peers} peers: peer swarm exited {row['exit_code']}; its last output is in the row")
         run.log(f"{peers} peers: exit {row['exit_code']}, {row['states']} final state(s), max difference "
-                f"{row['max_parameter_difference']:.2g}, rounds {row['rounds']}, {row['state_downloads']} downloads, "
-                f"join {row['join_seconds']['max']} s, {row['epochs_per_minute']} epochs/min, "
+                f"{row['max_parameter_difference']}, rounds {row['rounds']}, {row['state_downloads']} downloads, "
+                f"ready {row['ready_seconds']['max']} s, join {row['join_seconds']['max']} s, "
+                f"{row['epochs_per_minute']} epochs/min, "
                 f"{row['clock_warnings']} clock warnings, {row['asyncio_errors']} asyncio errors")
     results = {"task": TASK, "max_epochs": max_epochs, "runs": rows}
-    line = "; ".join(f"{row['peers']} peers: {row['states']} state(s), max diff {row['max_parameter_difference']:.2g}, "
+    line = "; ".join(f"{row['peers']} peers: {row['states']} state(s), max diff {row['max_parameter_difference']}, "
                      f"{row['epochs_per_minute']} epochs/min, {row['pss_mib_per_peer']} MiB/peer" for row in rows)
     run.finish(results, f"{NAME}: {line}")
     return 0

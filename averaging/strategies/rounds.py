@@ -176,7 +176,7 @@ class RoundKeeper:
         swarm_epoch = swarm_view(FRESH_READ_SECONDS).global_epoch
         if local_epoch < swarm_epoch:
             logger.info(f"the swarm is at epoch {swarm_epoch} just after this peer entered epoch {local_epoch} "
-                        f"(its last round was another epoch's): downloading the swarm's state")
+                        f"(it is out of step): downloading the swarm's state")
             return True
         return False
 

@@ -258,3 +258,19 @@ def test_swarm_views_smoke(tmp_path: Path):
     assert row["record_bytes"]["peers"] > 0  # the last window's: 5 simulated PeerInfo records and the real peer's
     assert set(results["by_size"]) == {"5"} and "epoch_rate_ratio" in results["by_size"]["5"]
     assert results["real_peer_exit_codes"] == [0] * results["real_peers"]  # a graceful stop, with the records around
+
+
+@pytest.mark.timeout(600)
+def test_eight_peers_on_one_machine_end_as_one_with_no_clock_warning(tmp_path: Path):
+    """`peer swarm --peers 8` through the swarm_size benchmark: every peer exits at --max-epochs with the same
+    final parameters, bit for bit, and no peer takes a late record for a clock ahead (the machine is loaded)."""
+    results, _ = run_benchmark("swarm_size", tmp_path, "--peers", "8", "--max-epochs", "3", timeout=540.0)
+    assert results["task"] == "bytelm-tiny" and results["max_epochs"] == 3
+    (row,) = results["runs"]
+    assert row["peers"] == 8 and row["exit_code"] == 0, row
+    assert row["exit_reasons"] == ["max_epochs"] * 8, row
+    assert row["states"] == 1 and row["max_parameter_difference"] == 0.0, row
+    assert row["clock_warnings"] == 0 and row["asyncio_errors"] == 0, row
+    assert row["rounds"].get("ok", 0) > 0 and row["pss_mib_per_peer"] > 0, row
+    assert not any(re.search(r"\d", reason) for reason in row["download_reasons"]), row  # counted by kind
+    assert 0 < row["ready_seconds"]["max"] <= row["join_seconds"]["max"] and row["epochs_per_minute"] > 0, row
