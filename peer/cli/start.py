@@ -135,8 +135,8 @@ def wait_for_min_peers(config: PeerConfig, trainer: Trainer) -> bool:
     if needed <= 1:
         return True
     logger.info(f"waiting for {needed} peers (--min-peers) for up to {timeout:.0f}s")
-    seen = trainer.session.wait_for_quorum(needed, timeout)
-    if seen >= needed or trainer.stop:
+    passed, seen = trainer.session.wait_for_quorum(needed, timeout)
+    if passed or trainer.stop:
         return True
     logger.error(f"--min-peers {needed}: only {seen} peer(s) visible after {timeout:.0f}s; "
                  f"start more peers or lower --min-peers")

@@ -6,7 +6,8 @@
   anyone steps; the gate reads these records itself, since with no samples anywhere the tracker
   refreshes only every 10 s. Peers notice the quorum at slightly different moments, and a first
   epoch can be shorter than that: each peer publishes when it saw the quorum, and all start
-  START_SETTLE_SECONDS after the earliest of those times.
+  START_SETTLE_SECONDS after the earliest of those times, including the peers whose own reads
+  have not shown them the quorum yet.
 - Catching up: before the first step, a peer behind the swarm downloads its state.
 - Leaving at --max-epochs (the rules are in peer/runtime/leaving.py): a peer whose last round failed
   downloads the final state from a peer that has it; then it stays while another peer may still
@@ -25,7 +26,7 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterable, Optional, Tuple
 
 from hivemind.utils import get_dht_time
 
@@ -62,6 +63,13 @@ the others publish theirs as they enter it, and a comparison waits at most SETTL
 the others, polling every 0.25 s, to see it too."""
 
 
+def earliest_start(own: Optional[float], announced: Iterable[object]) -> Optional[float]:
+    """When the swarm starts: the earliest start any peer announced on seeing the quorum (this peer's `own`
+    included); None while nobody has."""
+    moments = [moment for moment in announced if isinstance(moment, (int, float)) and not isinstance(moment, bool)]
+    return min(moments + ([own] if own is not None else []), default=None)
+
+
 class SwarmSession:
     def __init__(
         self,
@@ -87,27 +95,26 @@ class SwarmSession:
 
     # --- joining -----------------------------------------------------------------------------
 
-    def wait_for_quorum(self, min_peers: int, timeout_seconds: float) -> int:
-        """Start gate: wait until min_peers peers are visible, then start together; the peers seen."""
+    def wait_for_quorum(self, min_peers: int, timeout_seconds: float) -> Tuple[bool, int]:
+        """Start gate: wait until min_peers peers are visible to this peer or to another one, then start together;
+        whether the gate passed, and the most peers this peer saw."""
         deadline = time.monotonic() + timeout_seconds
         seen, start_at = 0, None
         while not self.stop and time.monotonic() < deadline:
             self.optimizer.announce()
             self.on_progress()
-            seen = len(read_by_owner(self.dht, self.keys.progress))
+            seen = max(seen, len(read_by_owner(self.dht, self.keys.progress)))
             if seen >= min_peers and start_at is None:
                 start_at = get_dht_time()
-                quorum = seen
                 self._publish(self.keys.start_gate, start_at)
-            if start_at is not None:
-                quorum_times = [t for t in read_by_owner(self.dht, self.keys.start_gate).values()
-                                if isinstance(t, (int, float))]
-                start_at = min([start_at, *quorum_times])
-                if get_dht_time() >= start_at + START_SETTLE_SECONDS:
-                    self.optimizer.swarm_view(refresh_timeout_seconds=2.0)  # its first epoch counts the peers just seen
-                    return quorum  # passed, even if a peer left meanwhile: swarms handle departures
+            # a peer that saw the quorum says when: a read of the DHT may miss some peers' records for minutes
+            # (16 peers on one machine: three saw all sixteen, the other thirteen never did and gave up)
+            start_at = earliest_start(start_at, read_by_owner(self.dht, self.keys.start_gate).values())
+            if start_at is not None and get_dht_time() >= start_at + START_SETTLE_SECONDS:
+                self.optimizer.swarm_view(refresh_timeout_seconds=2.0)  # its first epoch counts the peers just seen
+                return True, seen  # passed, even if a peer left meanwhile: swarms handle departures
             self.stop.wait(0.25)
-        return seen
+        return False, seen
 
     def catch_up(self) -> None:
         """Before the first step: if the swarm is ahead of this peer, download its state."""
