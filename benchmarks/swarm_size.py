@@ -57,7 +57,8 @@ NAME = "swarm_size"
 TASK = "bytelm-tiny"
 CLOCK_WARNING = re.compile(r"clock is at least [0-9]+s ahead")  # dht/clock.py
 ASYNCIO_ERROR = "Task exception was never retrieved"
-DOWNLOAD_LINE = re.compile(r"^\[peer-\d+\] \S+ \w+ [\w.]+: (.*downloading .*)$", re.MULTILINE)
+DOWNLOAD_LINE = re.compile(r"^\[peer-\d+\] \S+ \w+ [\w.]+: (.*downloading (?:the swarm's|state).*)$", re.MULTILINE)
+PEER_ID = re.compile(r"12D3KooW\w+")
 RUN_TIMEOUT_SECONDS = 1800.0
 
 
@@ -169,7 +170,8 @@ def read_run(work: Path, peers: int, max_epochs: int, swarm: dict) -> dict:
         "max_parameter_difference": difference, "states": distinct,
         "without_checkpoint": [f"peer-{index}" for index in range(peers) if index not in finals],
         "pss_mib_per_peer": common.rounded(median(swarm["pss"]), 1) if swarm["pss"] else None,
-        "download_reasons": dict(Counter(re.sub(r"\d+(\.\d+)?", "N", line) for line in DOWNLOAD_LINE.findall(output))),
+        "download_reasons": dict(Counter(re.sub(r"\d+(\.\d+)?", "N", PEER_ID.sub("PEER", line))
+                                         for line in DOWNLOAD_LINE.findall(output))),
         "clock_warnings": len(CLOCK_WARNING.findall(output)), "asyncio_errors": output.count(ASYNCIO_ERROR),
         "output_tail": output[-4000:] if swarm["exit_code"] != 0 else "",
     }
@@ -180,6 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--peers", default=None, help="swarm sizes, comma-separated (default 4,8,12,16; quick 4,8; "
                                                  "smoke 2)")
     p.add_argument("--max-epochs", type=int, default=None, help="epochs of each run (default 8; quick 6; smoke 2)")
+    p.add_argument("--logs", type=Path, default=None, help="write each swarm's whole output to DIR/<N>-peers.log")
     args = p.parse_args(argv)
     run = common.Run(NAME, args.mode, args.output)
     sizes = [int(size) for size in (args.peers or common.by_mode(args.mode, smoke="2", quick="4,8",
@@ -193,6 +196,9 @@ def main(argv=None) -> int:
             row = {**read_run(Path(work), peers, max_epochs, swarm),
                    "wall_seconds": round(time.monotonic() - started, 1)}
         rows.append(row)
+        if args.logs is not None:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            (args.logs / f"{peers}-peers.log").write_text(swarm["output"])
         if row["exit_code"] != 0:
             run.note(f"{peers} peers: peer swarm exited {row['exit_code']}; its last output is in the row")
         run.log(f"{peers} peers: exit {row['exit_code']}, {row['states']} final state(s), max difference "

@@ -7,7 +7,7 @@
   refreshes only every 10 s. Peers notice the quorum at slightly different moments, and a first
   epoch can be shorter than that: each peer publishes when it saw the quorum, and all start
   START_SETTLE_SECONDS after the earliest of those times, including the peers whose own reads
-  have not shown them the quorum yet.
+  have not shown them the quorum yet; a peer that sees another one training starts at once.
 - Catching up: before the first step, a peer behind the swarm downloads its state.
 - Leaving at --max-epochs (the rules are in peer/runtime/leaving.py): a peer whose last round failed
   downloads the final state from a peer that has it; then it stays while another peer may still
@@ -70,6 +70,16 @@ def earliest_start(own: Optional[float], announced: Iterable[object]) -> Optiona
     return min(moments + ([own] if own is not None else []), default=None)
 
 
+def swarm_underway(progress: Dict[bytes, object]) -> bool:
+    """Whether some peer has begun training (it accumulated samples, or reached an epoch): peers at the start
+    gate announce records with neither."""
+    def counted(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    return any(isinstance(record, dict) and (counted(record.get("epoch")) or counted(record.get("samples_accumulated")))
+               for record in progress.values())
+
+
 class SwarmSession:
     def __init__(
         self,
@@ -103,12 +113,16 @@ class SwarmSession:
         while not self.stop and time.monotonic() < deadline:
             self.optimizer.announce()
             self.on_progress()
-            seen = max(seen, len(read_by_owner(self.dht, self.keys.progress)))
+            progress = read_by_owner(self.dht, self.keys.progress)
+            seen = max(seen, len(progress))
             if seen >= min_peers and start_at is None:
                 start_at = get_dht_time()
                 self._publish(self.keys.start_gate, start_at)
+            if swarm_underway(progress) and start_at is None:  # it started without this peer: join it now
+                start_at = get_dht_time() - START_SETTLE_SECONDS
             # a peer that saw the quorum says when: a read of the DHT may miss some peers' records for minutes
-            # (16 peers on one machine: three saw all sixteen, the other thirteen never did and gave up)
+            # (16 peers on one machine: three saw all sixteen, the other thirteen never did and gave up; with
+            # the announced start, two still saw neither it nor the quorum, but did see the others train)
             start_at = earliest_start(start_at, read_by_owner(self.dht, self.keys.start_gate).values())
             if start_at is not None and get_dht_time() >= start_at + START_SETTLE_SECONDS:
                 self.optimizer.swarm_view(refresh_timeout_seconds=2.0)  # its first epoch counts the peers just seen
