@@ -1,6 +1,7 @@
 """averaging/swarm/open_rounds.py: a leaving peer drops rounds that found no group, and only those."""
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 
@@ -117,51 +118,48 @@ def test_a_round_that_finds_its_group_while_leaving_is_asked_runs_on(monkeypatch
     assert not looking.cancelled
 
 
-@pytest.mark.timeout(120)
-def test_a_real_round_to_an_epoch_nobody_else_can_reach_is_cancelled_long_before_its_timeout():
+@pytest.fixture
+def lone_averager():
+    """An averager with nobody to meet: alone, each of its rounds would look for a group for its whole timeout."""
     adapter.install()
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    averager = abandoner = None
-    try:
-        averager = hivemind.averaging.DecentralizedAverager(
-            [torch.zeros(8)], dht, prefix="behind", min_matchmaking_time=1.0, request_timeout=0.5, start=True,
-        )
-        control = averager.step(gather=8, timeout=60, wait=False)  # as our rounds gather the epoch they lead to
-        abandoner = RoundAbandoner(leaving=lambda: False, grace_seconds=lambda: 1.0, poll_seconds=0.1,
-                                   nobody_joins=lambda epoch: epoch == 8)
-        abandoner.start()
-        wait_until(control.done, 30, message="the round to end")
-        assert control.cancelled()
-    finally:
-        if abandoner is not None:
-            abandoner.finish()
-        if averager is not None:
-            averager.shutdown()
-        dht.shutdown()
-
-
-@pytest.mark.timeout(120)
-def test_a_leaving_peer_cancels_its_real_round_that_nobody_joins():
-    adapter.install()
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    averager = abandoner = None
+    averager = None
     try:
         averager = hivemind.averaging.DecentralizedAverager(
             [torch.zeros(8)], dht, prefix="lonely", min_matchmaking_time=1.0, request_timeout=0.5, start=True,
         )
-        # alone, this round would look for a group for its whole timeout
-        control = averager.step(timeout=60, wait=False)
-        assert control in set(adapter.open_rounds)
-        leaving = []
-        abandoner = RoundAbandoner(leaving=lambda: bool(leaving), grace_seconds=lambda: 1.0, poll_seconds=0.1)
-        abandoner.start()
-        wait_until(lambda: control.stage == AveragingStage.LOOKING_FOR_GROUP, 20, message="matchmaking to start")
-        leaving.append(True)
-        wait_until(control.done, 30, message="the round to end")
-        assert control.cancelled()
+        yield averager
     finally:
-        if abandoner is not None:
-            abandoner.finish()
         if averager is not None:
             averager.shutdown()
         dht.shutdown()
+
+
+@contextlib.contextmanager
+def running(abandoner: RoundAbandoner):
+    abandoner.start()
+    try:
+        yield abandoner
+    finally:
+        abandoner.finish()
+
+
+@pytest.mark.timeout(120)
+def test_a_real_round_to_an_epoch_nobody_else_can_reach_is_cancelled_long_before_its_timeout(lone_averager):
+    control = lone_averager.step(gather=8, timeout=60, wait=False)  # as our rounds gather the epoch they lead to
+    with running(RoundAbandoner(leaving=lambda: False, grace_seconds=lambda: 1.0, poll_seconds=0.1,
+                                nobody_joins=lambda epoch: epoch == 8)):
+        wait_until(control.done, 30, message="the round to end")
+    assert control.cancelled()
+
+
+@pytest.mark.timeout(120)
+def test_a_leaving_peer_cancels_its_real_round_that_nobody_joins(lone_averager):
+    control = lone_averager.step(timeout=60, wait=False)
+    assert control in set(adapter.open_rounds)
+    leaving = []
+    with running(RoundAbandoner(leaving=lambda: bool(leaving), grace_seconds=lambda: 1.0, poll_seconds=0.1)):
+        wait_until(lambda: control.stage == AveragingStage.LOOKING_FOR_GROUP, 20, message="matchmaking to start")
+        leaving.append(True)
+        wait_until(control.done, 30, message="the round to end")
+    assert control.cancelled()
