@@ -260,6 +260,7 @@ def test_swarm_views_smoke(tmp_path: Path):
     assert results["real_peer_exit_codes"] == [0] * results["real_peers"]  # a graceful stop, with the records around
 
 
+@pytest.mark.solo  # 8 peers on the CI's 2 cores: run alone, after the suite (.ci/run)
 @pytest.mark.timeout(600)
 def test_eight_peers_on_one_machine_end_as_one_with_no_clock_warning(tmp_path: Path):
     """`peer swarm --peers 8` through the swarm_size benchmark: every peer exits at --max-epochs with the same
