@@ -55,6 +55,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.progress_tracker import ProgressTracker
 
+from averaging.adapter.fresh_optimizer import with_fresh_state
 from averaging.adapter.state_averager import GuardedStateAverager
 from averaging.api import Replica, RoundReport
 from averaging.codecs.compression import configured_codec, round_payload_bytes
@@ -125,7 +126,7 @@ class DiLoCoOptimizer(SharesState):
             serve=self.rounds.hooks.serve_state,
             dht=dht,
             prefix=keys.diloco_state,
-            optimizer=replica.optimizer_factory,
+            optimizer=with_fresh_state(replica.optimizer_factory),
             params=self.main_parameters,
             scheduler=replica.scheduler_factory,
             extra_tensors=self.global_params + self.outer_momentum,
@@ -137,9 +138,6 @@ class DiLoCoOptimizer(SharesState):
             start=True,
             **averager_opts,
         )
-        # hivemind initializes the inner optimizer's state with one zero-gradient step, which can move
-        # the parameters (weight decay): the round starts from where the model is after that
-        self._reset_round_start()
         # its weights are the samples each peer stepped on (_launch): the weight bound goes with it (the state
         # averager only serves state, it never averages)
         with including(error_feedback), including(weight_bound):

@@ -35,6 +35,7 @@ from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.utils.crypto import RSAPrivateKey
 
+from averaging.adapter.fresh_optimizer import with_fresh_state
 from averaging.adapter.optimizer import HookedOptimizer
 from averaging.adapter.state_averager import ReportingStateAverager
 from averaging.api import Replica, RoundReport
@@ -275,7 +276,7 @@ def build_sync(config: AveragingConfig, replica: Replica, parts: StrategyParts, 
         agreement=parts.agreement,
         dht=replica.dht,
         params=replica.params,
-        optimizer=replica.optimizer_factory,
+        optimizer=with_fresh_state(replica.optimizer_factory),
         scheduler=replica.scheduler_factory,
         target_batch_size=config.target_batch_size,
         batch_size_per_step=replica.batch_size,
