@@ -102,6 +102,8 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_TRACKER}._parse_swarm_progress_data": ("1b5ad87469d3c13f", "averaging/adapter/progress_filter.py"),
     f"{_TRACKER}.report_local_progress": ("9bf530c8bc98f445", "averaging/adapter/pacing.py"),
     # read or driven from outside
+    f"{_STATE_AVERAGER}._init_components": ("a60b74a78a5c5503",
+                                            "averaging/adapter/fresh_optimizer.py (it skips state that exists)"),
     f"{_TRACKER}._progress_reporter": ("affc9ed95108eacf",
                                        "averaging/swarm/progress.py, averaging/adapter/late_stores.py"),
     f"{_TRACKER}._progress_fetcher": ("ed458942519098a2", "averaging/swarm/progress.py"),
