@@ -212,6 +212,11 @@ class SessionOptimizer(SwarmProgress, Protocol):
         """Whether a round that went wrong (APART) may have left this peer's state different from the swarm's, or
         its state digest was found apart from the swarm's, and it has not downloaded since."""
 
+    @property
+    def averages_in_groups(self) -> bool:
+        """Whether its rounds average groups of the swarm, not all of it (--target-group-size): peers whose rounds
+        were whole may still hold different states, so at their last epoch all of them take one peer's state."""
+
     def await_state_comparison(self, timeout_seconds: float) -> None:
         """Where peers check state digests: wait (at most `timeout_seconds`) until this peer's state at its epoch
         has been compared with the swarm's, so that `apart` tells (a peer leaving at its last epoch)."""

@@ -113,6 +113,15 @@ class AveragingConfig(BaseModel):
         f"({', '.join(_sharing('average_state_every'))}). Raise it to save bandwidth with local-sgd; lower it if peers "
         "drift apart.",
     )
+    target_group_size: Optional[int] = Field(
+        default=None,
+        ge=2,
+        description="local-sgd: average parameters in groups of about this many peers (this many to twice as many "
+        "less one), not the whole swarm. The groups are dealt anew in every round, so the swarm mixes across "
+        "rounds; at --max-epochs, every peer takes one peer's state before it leaves. A round then waits for its "
+        "group, not for the slowest of many peers: for swarms of more than about 8 peers, or on slow links. Unset: "
+        "every round averages the whole swarm.",
+    )
     average_opt_statistics: List[str] = Field(
         default_factory=list,
         description="Comma-separated optimizer state names averaged with the parameters, e.g. exp_avg,exp_avg_sq.",

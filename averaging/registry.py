@@ -88,7 +88,10 @@ _DECLARED = (
         help="local steps, average parameters every --average-state-every epochs",
         builder="averaging.strategies.sync:build_local_sgd",
         payload=Payload(STATE, "state_compression"),
-        shared_settings=(*_CODECS[1:], *_STATE_ROUNDS),
+        # groups suit parameter rounds alone: a group's gradient or pseudo-gradient round gives its peers an
+        # update of their own, which the per-epoch state digests would then send them downloading to undo
+        settings=("target_group_size",),
+        shared_settings=(*_CODECS[1:], *_STATE_ROUNDS, "target_group_size"),
         refuses={
             "delay_updates": _NOT_GRADIENTS.format("local-sgd"),
             "offload_optimizer": "hivemind 1.1.12 never feeds local gradients to an offloaded optimizer with local "

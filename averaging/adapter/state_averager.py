@@ -9,7 +9,8 @@
   runs). Here a step and the snapshot of what is served hold one lock (`serving_lock`), and the
   snapshot is a copy; `served_digest` digests the same state under the same lock.
 - ReportingStateAverager also reports every parameter-averaging round: local-sgd's only rounds, and
-  sync's rounds that undo drift (a peer left out of its group's last one is apart from it).
+  sync's rounds that undo drift (a peer left out of its group's last one is apart from it). With grouped
+  rounds, it chooses each round's group before the round starts (averaging/adapter/epoch_keys.py).
 
 Both override upstream methods, fingerprinted in averaging/adapter/upstream.py.
 """
@@ -24,6 +25,7 @@ import hivemind
 import torch
 from hivemind.optim.state_averager import TrainingStateAverager
 
+from averaging.adapter.epoch_keys import ChosenGroup
 from averaging.api import RoundReport
 from averaging.pipeline import completeness
 from averaging.pipeline.guards import all_finite
@@ -143,9 +145,26 @@ class ReportingStateAverager(GuardedStateAverager):
     background thread, so it reports but never times a phase.
     """
 
-    def __init__(self, *, report: Callable[[RoundReport], None], **kwargs):
-        self._report = report
+    def __init__(self, *, report: Callable[[RoundReport], None],
+                 group_for: Optional[Callable[[int], int]] = None, **kwargs):
+        """:param group_for: for grouped rounds, the group of the round that leads to an epoch
+        (averaging/swarm/groups.py); its rounds meet under that group's key (averaging/adapter/epoch_keys.py)"""
+        self._report, self._group_for = report, group_for
+        self.chosen_group = ChosenGroup()  # before the averager process forks: shared with it
         super().__init__(**kwargs)
+
+    def run(self):  # the averager's own process
+        self.chosen_group.use()
+        super().run()
+
+    def schedule_step(self, scheduled_time=None, **kwargs):
+        """A round pre-scheduled before its epoch: it looks for the group of the epoch it gathers."""
+        self._choose_group(kwargs.get("gather"))
+        return super().schedule_step(scheduled_time, **kwargs)
+
+    def _choose_group(self, epoch) -> None:
+        if self._group_for is not None and isinstance(epoch, int):
+            self.chosen_group.choose(epoch, self._group_for(epoch))
 
     def _do(self, wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, grad_scaler,
             set_to_none, timeout=None, **kwargs):
@@ -155,6 +174,7 @@ class ReportingStateAverager(GuardedStateAverager):
         started = time.monotonic()
         if averaging_control is None or averaging_control.triggered or averaging_control.done():
             try:
+                self._choose_group(self.local_epoch)
                 averaging_control = hivemind.DecentralizedAverager.step(
                     self, gather=self.local_epoch, require_trigger=True, timeout=timeout, wait=False, **kwargs
                 )
@@ -167,7 +187,8 @@ class ReportingStateAverager(GuardedStateAverager):
         try:
             gathered = averaging_control.result(timeout=0)
             # a partial parameter average is healed by the next whole round; the last one, by the end of run
-            report = completeness.round_report(self, time.monotonic() - started, len(gathered))
+            report = completeness.round_report(self, time.monotonic() - started, len(gathered),
+                                               tuple(peer.to_base58() for peer in gathered))
         except TimeoutError as e:
             report = RoundReport("timeout", time.monotonic() - started, 1, repr(e))
         except BaseException as e:

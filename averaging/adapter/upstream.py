@@ -97,6 +97,7 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_STATE_AVERAGER}.load_state_from_peers": ("e4d647a9ea78cde8", "averaging/adapter/state_averager.py"),
     f"{_STATE_AVERAGER}._do": ("0b1896170cc6bdb0", "averaging/adapter/state_averager.py"),
     f"{_STATE_AVERAGER}.step": ("c68d9335d0ccf55e", "averaging/adapter/state_averager.py"),
+    f"{_STATE_AVERAGER}.schedule_step": ("0bfdb7a54a74e4ee", "averaging/adapter/state_averager.py"),
     f"{_STATE_AVERAGER}.get_current_state": ("d2ee431a0a4b4074", "averaging/adapter/state_averager.py"),
     f"{_AVERAGER}.load_state_from_peers": ("973fae40a3d1e16f", "averaging/adapter/state_averager.py"),
     f"{_TRACKER}._parse_swarm_progress_data": ("1b5ad87469d3c13f", "averaging/adapter/progress_filter.py"),

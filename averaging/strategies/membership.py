@@ -54,6 +54,7 @@ class SharesState(ReportsProgress):
     """The session's side of a strategy that averages and serves its state from `self.state_averager`."""
 
     rounds: RoundKeeper
+    averages_in_groups: bool = False
     state_averager: TrainingStateAverager
     grad_averager: Optional[DecentralizedAverager]
     donor_averagers: Tuple

@@ -100,6 +100,10 @@ class SoloOptimizer(ReportsProgress):
     def apart(self) -> bool:
         return False
 
+    @property
+    def averages_in_groups(self) -> bool:
+        return False
+
     def await_state_comparison(self, timeout_seconds: float) -> None:
         """No state to compare."""
 

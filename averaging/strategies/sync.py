@@ -18,6 +18,9 @@ What it adds to hivemind's optimizer:
 - with 'auto' deadlines, they are chosen again after every epoch and applied where hivemind reads them;
 - with local-sgd, the parameter-averaging rounds are reported too (they are its only rounds); with sync
   and powersgd, one that left this peer out of its group leaves it apart, as a gradient round would;
+- with local-sgd and --target-group-size, its parameter rounds average groups of about that many peers,
+  dealt anew every round (averaging/swarm/groups.py): peers whose rounds were whole may still differ, so
+  they settle on one final state when they leave (peer/runtime/session.py);
 - with error feedback, the gradient averager carries its codec's loss between rounds; the residuals
   are checkpointed and dropped when state is downloaded (averaging/pipeline/error_feedback.py).
 
@@ -49,6 +52,7 @@ from averaging.strategies.membership import SharesState, join_or_terminate
 from averaging.strategies.parts import StrategyParts
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
 from averaging.swarm import progress
+from averaging.swarm.groups import round_group
 from dht.keys import SwarmKeys
 
 logger = logging.getLogger(__name__)
@@ -64,11 +68,13 @@ class SyncOptimizer(SharesState, HookedOptimizer):
         rounds: RoundKeeper,
         signing_key: RSAPrivateKey,
         report_state_rounds: bool = False,
+        group_size: Optional[int] = None,
         agreement: Optional[StateAgreement] = None,
         **kwargs,
     ):
         self.keys, self.rounds, self.signing_key = keys, rounds, signing_key
-        self.report_state_rounds = report_state_rounds
+        self.report_state_rounds, self.group_size = report_state_rounds, group_size
+        self.averages_in_groups = group_size is not None
         requested_client_mode = kwargs.get("client_mode")
         super().__init__(run_id=keys.namespace, **kwargs)
         if requested_client_mode is not None and self.client_mode != requested_client_mode:
@@ -144,6 +150,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
         report = self.rounds.report if self.report_state_rounds else self._state_round_finished
         return ReportingStateAverager(
             report=report,
+            group_for=self._round_group if self.averages_in_groups else None,
             serve=self.rounds.hooks.serve_state,
             dht=self.dht,
             prefix=self.keys.state_averager,
@@ -159,6 +166,12 @@ class SyncOptimizer(SharesState, HookedOptimizer):
             start=True,
             **kwargs,
         )
+
+    def _round_group(self, epoch: int) -> int:
+        """This peer's group in the round that leads to `epoch`, among the training peers its tracker read: their
+        epochs are not asked, since a record may lag its peer's epoch by a refresh (a peer far behind downloads)."""
+        members = getattr(self.tracker, "training_peers", ())
+        return round_group(epoch, members, self.dht.peer_id.to_bytes(), self.group_size)
 
     def entered_global_epoch(self) -> None:
         if self.use_gradient_averaging:  # with local updates (local-sgd), peers reach an epoch at their own pace
@@ -302,8 +315,10 @@ def build_sync(config: AveragingConfig, replica: Replica, parts: StrategyParts, 
 
 
 def build_local_sgd(config: AveragingConfig, replica: Replica, parts: StrategyParts) -> SyncOptimizer:
-    """local-sgd: local steps, and parameters averaged every --average-state-every epochs (its only rounds)."""
-    return build_sync(config, replica, parts, use_local_updates=True, report_state_rounds=True)
+    """local-sgd: local steps, and parameters averaged every --average-state-every epochs (its only rounds), by the
+    whole swarm or in groups of up to --target-group-size peers."""
+    return build_sync(config, replica, parts, use_local_updates=True, report_state_rounds=True,
+                      group_size=config.target_group_size)
 
 
 def build_powersgd(config: AveragingConfig, replica: Replica, parts: StrategyParts) -> SyncOptimizer:

@@ -45,7 +45,7 @@ TUNING = frozenset({
     "topk_value_bits", "topk_chunk", "robust_norm_ratio", "robust_min_cosine", "robust_trim_fraction",
     "robust_max_weight_share",
     "exclude_after", "exclude_window", "exclusion_seconds", "harmful_update_rise", "harmful_updates",
-    "harmful_update_window", "straggler_grace_min_seconds", "max_round_factor",
+    "harmful_update_window", "straggler_grace_min_seconds", "max_round_factor", "target_group_size",
     "keep_checkpoints", "health_window_seconds", "log_format", "yield_cpu_share", "yield_gpu_share",
     "yield_after_seconds", "resume_after_quiet_seconds", "tokenizer", "seq_len", "init_from",
 })

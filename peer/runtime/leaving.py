@@ -6,7 +6,9 @@ different states (each one whose last round failed applied only its own gradient
 whose last round averaged offers its state ("offers" in its leave record, and a higher donor
 priority), and one whose round failed downloads only once such an offer is there. If every peer
 at that epoch had its last round fail, the one with the smallest id offers its state and the
-others download it: all of them end with the same weights. A round that fails at once can bring a
+others download it: all of them end with the same weights. With grouped rounds (--target-group-size),
+each group ends its last round whole with a state of its own, so every peer leaves as one whose last
+round failed, and all take the smallest id's state. A round that fails at once can bring a
 peer to the last epoch before its group has averaged, so a peer one epoch behind counts as still
 in its last round: the failed peer waits for it (at most a matchmaking window and an averaging
 timeout); if nobody has reached the last epoch by then, its own state is the newest there is.

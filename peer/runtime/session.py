@@ -11,7 +11,8 @@
 - Catching up: before the first step, a peer behind the swarm downloads its state.
 - Leaving at --max-epochs (the rules are in peer/runtime/leaving.py): a peer whose last round failed
   downloads the final state from a peer that has it; then it stays while another peer may still
-  need it.
+  need it. With grouped rounds (--target-group-size), every peer leaves as if its last round had
+  failed: the groups each hold a state of their own, so all take the one that the smallest id offers.
 - Leaving for any reason: rounds still looking for a group a matchmaking window (plus a second for
   the leader's answer) after leaving began never will find one, and are abandoned; without this,
   Ctrl+C on a peer whose partners just left waits each round out. So are the rounds of a peer left
@@ -172,14 +173,21 @@ class SwarmSession:
         # parameters in the background and applies the result a step later): take the state a peer offers once its
         # rounds have landed, as a peer whose last round failed does (seen: a straggler ended 5e-4 apart)
         copy = self.optimizer.downloaded_at_epoch == epoch
-        apart = last_round_outcome in APART or self.optimizer.apart or copy
+        # each group of a grouped round ends it whole with a state of its own: every peer is apart, and the one with
+        # the smallest id offers the final state; a donor "ahead" may be any group's, so none is taken
+        grouped = self.optimizer.averages_in_groups
+        apart = last_round_outcome in APART or self.optimizer.apart or copy or grouped
         # peers that finished first may have stopped reporting progress, but they still offer their state; with a
         # straggler behind, an offer at this epoch may be this peer's own state, served to it: then ask as below
-        if apart and not has_peer_behind(epoch, progress, self.me) and self.optimizer.load_state_from_donor_ahead():
+        if (apart and not grouped and not has_peer_behind(epoch, progress, self.me)
+                and self.optimizer.load_state_from_donor_ahead()):
             apart = False
         if apart and may_have_final_state(epoch, progress, self.me):
             self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING, downloaded=copy))
-            offers = self._take_final_state(epoch, patience_seconds=matchmaking + timeout, candidate=not copy)
+            why = ("this peer's state came by download at this epoch" if copy else
+                   "its rounds average groups of the swarm, not all of it" if grouped else
+                   "the last averaging round failed")
+            offers = self._take_final_state(epoch, matchmaking + timeout, candidate=not copy, why=why)
         else:
             offers = self.optimizer.offer_final_state()
         self._publish(self.keys.leaving, leave_record(epoch, DONE, offers))
@@ -201,9 +209,9 @@ class SwarmSession:
                 return
             self.stop.wait(0.5)
 
-    def _take_final_state(self, epoch: int, patience_seconds: float, candidate: bool) -> bool:
-        """After a failed last round: download the state a peer offers, or offer ours if every peer at this
-        epoch failed and ours has the smallest id. True if this peer offers its state.
+    def _take_final_state(self, epoch: int, patience_seconds: float, candidate: bool, why: str) -> bool:
+        """After a failed last round (`why`: what left this peer apart): download the state a peer offers, or offer
+        ours if every peer at this epoch failed and ours has the smallest id. True if this peer offers its state.
 
         Waits up to `patience_seconds` for the others to say; then those silent at this epoch count as failed too,
         and it waits as long again for the smallest id's offer (or offers, if that is this peer). A peer that is
@@ -215,11 +223,10 @@ class SwarmSession:
                                                                    self.me):
             source = Source.OFFER  # nobody reached the last epoch in time: this peer's state is the newest there is
         if source is Source.OFFER:
-            logger.info("no peer at the last epoch has an averaged state: "
+            logger.info("no peer at the last epoch has a state that all the others share: "
                         "offering this peer's state as the final state, for the others to download")
             return self.optimizer.offer_final_state()
         # a donor offers its state, or none said in time: the best-ranked donor is the best guess
-        why = "the last averaging round failed" if candidate else "this peer's state came by download at this epoch"
         logger.info(f"{why}: downloading the swarm's final state before leaving")
         self.optimizer.load_state_from_peers()
         return False

@@ -90,6 +90,8 @@ class RoundEnded(Event):
     left_out: float = 0.0
     """The share of this peer's contribution that reached its group after the reducers' grace window and was left
     out of the round (averaging/pipeline/stragglers.py); this peer still received the round's result."""
+    group: List[str] = []
+    """The peer ids (base58) of the round's group, this peer's among them, where the round formed one."""
 
 
 class ReducingChanged(Event):

@@ -143,7 +143,8 @@ class EventsObserver(TrainingObserver):
 
     def on_round(self, report: RoundReport, payload_bytes: int) -> None:
         self.events.emit(RoundEnded(outcome=report.outcome, seconds=report.seconds, group_size=report.group_size,
-                                    reason=report.reason, left_out=round(report.left_out, 4)))
+                                    reason=report.reason, left_out=round(report.left_out, 4),
+                                    group=list(report.peers)))
 
     def on_state_loaded(self, epoch: int) -> None:
         self.events.emit(StateDownloaded(epoch=epoch))

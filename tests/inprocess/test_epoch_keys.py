@@ -12,7 +12,7 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.utils import MSGPackSerializer
 
 from averaging import adapter
-from averaging.adapter.epoch_keys import epoch_group_key, gather_epochs, round_epoch
+from averaging.adapter.epoch_keys import ChosenGroup, epoch_group_key, gather_epochs, round_epoch
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -33,6 +33,18 @@ def test_a_round_that_gathers_an_epoch_is_keyed_by_it_and_any_other_keeps_upstre
     assert hivemind.averaging.key_manager.is_valid_group(epoch_group_key(manager))  # hivemind declares it
     manager.round_epoch = None
     assert epoch_group_key(manager) == "run_grad_averager.0b01"
+
+
+def test_a_grouped_round_is_keyed_by_its_epoch_and_the_group_chosen_for_that_epoch():
+    chosen = ChosenGroup()
+    assert chosen.of_round(12) is None  # nothing chosen yet: the epoch's key
+    chosen.choose(12, 3)
+    assert chosen.of_round(12) == 3 and chosen.of_round(13) is None and chosen.of_round(None) is None
+    manager = SimpleNamespace(prefix="run_state_averager", group_bits="", round_epoch=12, round_group=3)
+    assert epoch_group_key(manager) == "run_state_averager_e12g3.0b"
+    assert hivemind.averaging.key_manager.is_valid_group(epoch_group_key(manager))
+    manager.round_group = None
+    assert epoch_group_key(manager) == "run_state_averager_e12.0b"
 
 
 def test_gather_epochs_fills_in_the_epoch_a_round_leads_to_unless_the_caller_gathers_something():

@@ -89,6 +89,7 @@ BAD_VALUES: Dict[str, List[Callable[[Path], str]]] = {
     "diloco_overlap": [lambda t: "sometimes"],
     "outer_lr": [lambda t: "0", lambda t: "inf"],
     "outer_momentum": [lambda t: "1.5", lambda t: "nan"],
+    "target_group_size": [lambda t: "1", lambda t: "four"],
     "max_upload_mbit": [lambda t: "0", lambda t: "-5", lambda t: "nan", lambda t: "inf", lambda t: "fast"],
     "max_round_factor": [lambda t: "0", lambda t: "1.5", lambda t: "65", lambda t: "long"],
     "grad_compression": [lambda t: "zip"],
@@ -237,6 +238,9 @@ def test_bad_config_file_shape(capsys, tmp_path, content, expected, name):
          "--max-upload-mbit 10 needs --averaging diloco (got sync: only diloco reads it); add --averaging diloco or "
          "drop --max-upload-mbit"),
         (["--averaging", "local-sgd", "--max-upload-mbit", "2.5"], "--max-upload-mbit 2.5 needs --averaging diloco"),
+        (["--target-group-size", "4"],
+         "--target-group-size 4 needs --averaging local-sgd (got sync: only local-sgd reads it); add --averaging "
+         "local-sgd or drop --target-group-size"),
         (["--error-feedback", "on"], "--error-feedback on needs --grad-compression int8, int4 or topk (got none"),
         (["--error-feedback", "on", "--grad-compression", "uint8"], "error feedback is built for the codecs here"),
         (["--error-feedback", "on", "--grad-compression", "int8", "--averaging", "powersgd"],

@@ -1,5 +1,5 @@
 """Each averaging strategy on a real 2-peer swarm of the built-in task: loss falls, peers agree (with no averaging,
-each learns alone and sends nothing).
+each learns alone and sends nothing); local-sgd in groups on four peers.
 
 sync, local-sgd, powersgd and ZeRO-Offload run in bf16 autocast, on the CPU: precision lives in the training loop,
 before the optimizer, so they must train and agree with it too. DiLoCo stays fp32 here: its 4 outer rounds are
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from peer.telemetry.events import RoundEnded, read_events
 from peer.testing import FAST_ENV, Swarm, load_model_state, max_parameter_difference
 from tests.peers import FAST_SWARM_ARGS
 
@@ -109,3 +110,30 @@ async def test_with_averaging_none_each_peer_learns_alone_and_sends_nothing(tmp_
         assert summary["val_loss_last"] <= 0.9 * summary["val_loss_first"], summary
     states = [load_model_state(tmp_path / "ckpt" / f"peer-{i}") for i in range(2)]
     assert max_parameter_difference(states[0], states[1]) > 1e-3  # each trained its own replica on its own batches
+
+
+@pytest.mark.timeout(240)
+async def test_local_sgd_in_groups_of_two_mixes_the_pairs_and_the_four_peers_end_with_one_state(tmp_path: Path):
+    epochs, peers = 6, 4
+    async with Swarm(tmp_path, env=FAST_ENV) as harness:
+        swarm = harness.run(
+            "swarm", "--peers", str(peers), *FAST_SWARM_ARGS, "--averaging", "local-sgd", "--target-group-size", "2",
+            "--matchmaking-seconds", "3", "--averaging-timeout-seconds", "15", "--min-peers", str(peers),
+            "--target-batch-size", "128", "--max-epochs", str(epochs), "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--summary-dir", str(tmp_path / "summaries"), name="swarm",
+        )
+        assert await swarm.exit_code(timeout=220) == 0, swarm.log_tail(4000)
+    groups = []
+    for index in range(peers):
+        events, _ = read_events(tmp_path / "ckpt" / f"peer-{index}.events.jsonl")
+        groups += [frozenset(event.group) for event in events if isinstance(event, RoundEnded) and event.group]
+        summary = json.loads((tmp_path / "summaries" / f"peer-{index}.json").read_text())
+        assert summary["exit_reason"] == "max_epochs" and summary["global_epoch"] == epochs
+        assert summary["val_loss_last"] <= 0.9 * summary["val_loss_first"], summary
+    pairs = [group for group in groups if len(group) == 2]
+    # a peer whose view of the swarm lags deals other groups (a round of three, or a whole-swarm one): not most
+    assert len(pairs) > len(groups) / 2, groups
+    assert len(set(pairs)) >= 3, groups  # the pairs change between rounds (two fixed pairs would be 2)
+    states = [load_model_state(tmp_path / "ckpt" / f"peer-{index}") for index in range(peers)]
+    # each pair ends its last round with a state of its own; all four take the one that the smallest id offers
+    assert all(max_parameter_difference(states[0], state) == 0.0 for state in states[1:])

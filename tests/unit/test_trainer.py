@@ -88,6 +88,8 @@ class FakeOptimizer:
     def apart(self) -> bool:
         return False
 
+    averages_in_groups = False
+
     @property
     def downloaded_at_epoch(self) -> Optional[int]:
         return None
