@@ -172,6 +172,7 @@ def scaling(doc: dict) -> str:
                      f"{row.get('epoch')} | {_f(r['speedup_vs_1'].get(str(row['peers'])))} |")
     text = (f"`{r['task']}` to val_loss ≤ {r['target_val_loss']}, target batch {r['target_batch_size']}, "
             f"{len(r['cores'])} cores, {r['cores_per_peer']} per peer, pinning: {r['pinning']}.\n\n" + "\n".join(lines))
+    text += _scaling_curves(r)
     hiding = r["hiding"]
     if hiding.get("skipped"):
         return text + f"\n\nCommunication hiding: skipped ({hiding['reason']})."
@@ -186,6 +187,32 @@ def scaling(doc: dict) -> str:
             f"runs): alone {_f(rates['alone'], 1)}, delay_updates {_f(rates['delay_updates'], 1)}, blocking "
             f"{_f(rates['blocking'], 1)} samples/s; hiding ratio {_f(hiding['hiding_ratio'])}, blocking ratio "
             f"{_f(hiding['blocking_ratio'])}.\n\n" + "\n".join(hide))
+
+
+def _scaling_curves(r: dict) -> str:
+    """Per run, from its validation curve: when it first reached the target and 0.3 above it, and its loss at a few
+    epochs (learning per step, whatever the speed)."""
+    rows = [row for row in r["scaling"] if row.get("curve")]
+    if not rows:
+        return ""
+    levels = (round(r["target_val_loss"] + 0.3, 2), r["target_val_loss"])
+    epochs = (10, 15, 20, 25)
+
+    def reached(curve, level):
+        hit = next(((seconds, epoch) for seconds, epoch, loss in curve if loss <= level), None)
+        return f"{hit[0]} s (epoch {hit[1]})" if hit else "not reached"
+
+    def at(curve, epoch):
+        return next((f"{loss:.3f}" for _, number, loss in curve if number == epoch), "-")
+
+    lines = ["| peers | repeat | " + " | ".join(f"to val_loss {level}" for level in levels) + " | "
+             + " | ".join(f"val_loss at epoch {epoch}" for epoch in epochs) + " |",
+             "|---" * (2 + len(levels) + len(epochs)) + "|"]
+    for row in rows:
+        lines.append(f"| {row['peers']} | {row['repeat']} | "
+                     + " | ".join(reached(row["curve"], level) for level in levels) + " | "
+                     + " | ".join(at(row["curve"], epoch) for epoch in epochs) + " |")
+    return "\n\nFrom each run's validation curve (seconds from the last peer's `ready`):\n\n" + "\n".join(lines)
 
 
 def one_state(doc: dict) -> str:
@@ -253,7 +280,12 @@ def swarm_size(doc: dict) -> str:
                                                   sorted(row["download_reasons"].items(), key=lambda item: -item[1]))
                for row in r["runs"] if row.get("download_reasons")]
     why = "\n\nWhy peers downloaded (their log lines):\n\n" + "\n".join(reasons) if reasons else ""
-    return f"`{r['task']}`, `peer swarm --data-workers 0`, {r['max_epochs']} epochs.\n\n" + "\n".join(lines) + why
+    groups = [f"- {row['peers']} peers: rounds by group size "
+              + ", ".join(f"{size}: {count}" for size, count in row["group_sizes"].items())
+              + f"; {row['distinct_groups']} distinct groups" for row in r["runs"] if row.get("group_sizes")]
+    grouped = "\n\nGroups that averaged together:\n\n" + "\n".join(groups) if groups else ""
+    flags = " ".join(["--data-workers 0", *r.get("peer_args", [])])
+    return f"`{r['task']}`, `peer swarm {flags}`, {r['max_epochs']} epochs.\n\n" + "\n".join(lines) + why + grouped
 
 
 def main() -> int:

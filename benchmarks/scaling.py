@@ -41,6 +41,7 @@ Usage (from the repository root)::
     python -m benchmarks.scaling --peers 1,2 --skip-hiding --peer-args "--device cuda --precision bf16"
 
 JSON ``results``: ``task``, ``target_val_loss``, ``target_batch_size``, ``cores``, ``cores_per_peer``, ``peer_args``,
+``run_id`` (it seeds the initial weights: runs of one invocation start from the same ones),
 ``pinning`` (``taskset`` or a reason it is off), ``repeats``; ``scaling``: one row per (peers, repeat)
 with ``reached``, ``time_to_target_seconds``, ``startup_seconds``, ``epoch``, ``samples``,
 ``val_loss``, ``cpu_sets``, ``oversubscribed``, ``exit_codes``, ``curve`` ([seconds since ready, epoch, val_loss] per
@@ -206,6 +207,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--hiding-seconds", type=float, default=None, help="length of each communication-hiding run")
     p.add_argument("--skip-hiding", action="store_true")
+    p.add_argument("--run-id", default=None, help="the runs' --run-id, which seeds the model's initial weights "
+                                                  "(default: one per invocation); give the same to compare "
+                                                  "invocations from one starting point")
     p.add_argument("--peer-args", default="", help="more `peer start` flags for every peer, as one string, e.g. "
                                                    "\"--device cuda --precision bf16\" (peers then share that GPU)")
     args = p.parse_args(argv)
@@ -228,13 +232,14 @@ def main(argv=None) -> int:
         "cores_per_peer": share,
         "pinning": "taskset" if shutil.which("taskset") else "off: taskset is not installed",
         "peer_args": shlex.split(args.peer_args),
+        "run_id": args.run_id or f"bench-scaling-{os.getpid()}",
     }
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     run = common.Run(NAME, mode, args.output)
     if len(cores) < max(peer_counts) * share:
         run.note(f"{len(cores)} cores for up to {max(peer_counts)} peers at {share} core(s) each: runs with more than "
                  f"{len(cores) // share} peers share cores (oversubscribed), so they measure sharing, not scaling")
-    base = ["--task", settings["task"], "--run-id", f"bench-scaling-{os.getpid()}", "--host-maddrs",
+    base = ["--task", settings["task"], "--run-id", settings["run_id"], "--host-maddrs",
             "/ip4/127.0.0.1/tcp/0", "--matchmaking-seconds", str(settings["matchmaking_seconds"]),
             "--averaging-timeout-seconds", "10", "--data-workers", "1", "--val-batches", "4", "--metrics-port", "off",
             "--checkpoint-every-epochs", "100000", "--min-peers-timeout-seconds", "120", *settings["peer_args"]]

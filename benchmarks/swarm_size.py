@@ -20,6 +20,8 @@ and the benchmark reads what the peers wrote:
   read once while every peer trains (after its first epoch), median over peers;
 - ``clock_warnings`` and ``asyncio_errors``: lines of the swarm's output that warn of a clock ahead or behind,
   and `Task exception was never retrieved` blocks from hivemind's internals;
+- ``group_sizes``: how many rounds averaged groups of each size, and ``distinct_groups``: how many different
+  groups (sets of peers) averaged together (with --target-group-size, whether the groups mix);
 - ``exit_code`` of `peer swarm` (non-zero if any peer failed), each peer's ``exit_reason``, and where the swarm
   failed, ``output_tail``: the last 4000 characters of its output.
 
@@ -29,9 +31,11 @@ Usage (from the repository root)::
     python -m benchmarks.swarm_size --quick          # 4 and 8 peers, 6 epochs
     python -m benchmarks.swarm_size --peers 8 --max-epochs 4
     python -m benchmarks.swarm_size --smoke          # 2 peers, 2 epochs; checks that the script works
+    # local-sgd in groups of 4 (docs/strategies.md, grouped rounds):
+    python -m benchmarks.swarm_size --peers 16 --peer-args "--averaging local-sgd --target-group-size 4"
 
-JSON ``results``: ``task``, ``max_epochs``; ``runs``: one row per swarm size with the fields above and
-``target_batch_size``, ``wall_seconds``.
+JSON ``results``: ``task``, ``max_epochs``, ``peer_args``; ``runs``: one row per swarm size with the fields above
+and ``target_batch_size``, ``wall_seconds``.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -89,7 +94,7 @@ def last_epochs(ckpt: Path, peers: int) -> List[int]:
     return epochs
 
 
-async def run_swarm(work: Path, peers: int, max_epochs: int, log) -> dict:
+async def run_swarm(work: Path, peers: int, max_epochs: int, peer_args: List[str], log) -> dict:
     import psutil
 
     from peer.testing import Swarm
@@ -97,7 +102,7 @@ async def run_swarm(work: Path, peers: int, max_epochs: int, log) -> dict:
     ckpt, summaries = work / "ckpt", work / "summaries"
     args = ["--peers", str(peers), "--task", TASK, "--data-workers", "0", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
             "--target-batch-size", str(target_batch_size(peers)), "--max-epochs", str(max_epochs),
-            "--checkpoint-dir", str(ckpt), "--summary-dir", str(summaries)]
+            "--checkpoint-dir", str(ckpt), "--summary-dir", str(summaries), *peer_args]
     pss: List[float] = []
     async with Swarm(work) as harness:
         launched = time.time()
@@ -134,6 +139,7 @@ def read_run(work: Path, peers: int, max_epochs: int, swarm: dict) -> dict:
 
     ckpt, summaries = work / "ckpt", work / "summaries"
     rounds: Counter = Counter()
+    groups: List[frozenset] = []
     readies, joins, last_join, last_epoch_end, downloads, exit_reasons = [], [], 0.0, 0.0, 0, []
     for index in range(peers):
         events, _ = read_events(ckpt / f"peer-{index}.events.jsonl")
@@ -146,6 +152,7 @@ def read_run(work: Path, peers: int, max_epochs: int, swarm: dict) -> dict:
         if ends:
             last_epoch_end = max(last_epoch_end, ends[-1].time)
         rounds.update(event.outcome for event in events if isinstance(event, RoundEnded))
+        groups += [frozenset(event.group) for event in events if isinstance(event, RoundEnded) and event.group]
         downloads += sum(isinstance(event, StateDownloaded) for event in events)
         summary = summaries / f"peer-{index}.json"
         exit_reasons.append(json.loads(summary.read_text()).get("exit_reason") if summary.exists() else None)
@@ -167,6 +174,8 @@ def read_run(work: Path, peers: int, max_epochs: int, swarm: dict) -> dict:
         "ready_seconds": median_and_max(readies), "join_seconds": median_and_max(joins),
         "epochs_per_minute": common.rounded(max_epochs / minutes, 2) if minutes else None,
         "rounds": dict(rounds), "state_downloads": downloads,
+        "group_sizes": {str(size): count for size, count in sorted(Counter(map(len, groups)).items())},
+        "distinct_groups": len(set(groups)),
         "max_parameter_difference": difference, "states": distinct,
         "without_checkpoint": [f"peer-{index}" for index in range(peers) if index not in finals],
         "pss_mib_per_peer": common.rounded(median(swarm["pss"]), 1) if swarm["pss"] else None,
@@ -183,16 +192,19 @@ def main(argv=None) -> int:
                                                  "smoke 2)")
     p.add_argument("--max-epochs", type=int, default=None, help="epochs of each run (default 8; quick 6; smoke 2)")
     p.add_argument("--logs", type=Path, default=None, help="write each swarm's whole output to DIR/<N>-peers.log")
+    p.add_argument("--peer-args", default="", help="more `peer swarm` flags for every swarm, as one string, e.g. "
+                                                   "\"--averaging local-sgd --target-group-size 4\"")
     args = p.parse_args(argv)
     run = common.Run(NAME, args.mode, args.output)
     sizes = [int(size) for size in (args.peers or common.by_mode(args.mode, smoke="2", quick="4,8",
                                                                   full="4,8,12,16")).split(",")]
     max_epochs = args.max_epochs or common.by_mode(args.mode, smoke=2, quick=6, full=8)
+    peer_args = shlex.split(args.peer_args)
     rows = []
     for peers in sizes:
         with tempfile.TemporaryDirectory(prefix="swarmtrain-size-") as work:
             started = time.monotonic()
-            swarm = asyncio.run(run_swarm(Path(work), peers, max_epochs, run.log))
+            swarm = asyncio.run(run_swarm(Path(work), peers, max_epochs, peer_args, run.log))
             row = {**read_run(Path(work), peers, max_epochs, swarm),
                    "wall_seconds": round(time.monotonic() - started, 1)}
         rows.append(row)
@@ -206,7 +218,7 @@ def main(argv=None) -> int:
                 f"ready {row['ready_seconds']['max']} s, join {row['join_seconds']['max']} s, "
                 f"{row['epochs_per_minute']} epochs/min, "
                 f"{row['clock_warnings']} clock warnings, {row['asyncio_errors']} asyncio errors")
-    results = {"task": TASK, "max_epochs": max_epochs, "runs": rows}
+    results = {"task": TASK, "max_epochs": max_epochs, "peer_args": peer_args, "runs": rows}
     line = "; ".join(f"{row['peers']} peers: {row['states']} state(s), max diff {row['max_parameter_difference']}, "
                      f"{row['epochs_per_minute']} epochs/min, {row['pss_mib_per_peer']} MiB/peer" for row in rows)
     run.finish(results, f"{NAME}: {line}")
