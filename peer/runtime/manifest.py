@@ -44,6 +44,8 @@ from peer.task_names import BUILTIN_TASK_NAMES
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.5
+UNSET = "unset"
+"""A shared setting that a run leaves unset, as its manifest records it."""
 
 _ADAPTIVE_CODEC_SETTINGS = ("adaptive_compression_threshold", "adaptive_large_codec")
 _TOPK_CODEC_SETTINGS = ("topk_fraction", "topk_value_bits", "topk_chunk")
@@ -208,4 +210,6 @@ def _start_run(dht, keys: SwarmKeys, ours: RunManifest, key: RunOwnerKey,
 def _setting(config: PeerConfig, cli_name: str):
     option = OPTIONS_BY_CLI[cli_name]
     value = getattr(getattr(config, option.section), option.name)
+    if value is None:  # an optional setting left unset (--target-group-size): the manifest holds no None
+        return UNSET
     return ",".join(value) if isinstance(value, list) else value

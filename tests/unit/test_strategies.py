@@ -22,7 +22,7 @@ from averaging.codecs.compression import (
 from averaging.config import REFUSABLE, AveragingConfig
 from averaging.registry import DEFAULT_STRATEGY, GRADIENTS, LOW_RANK, PAYLOAD_TENSORS, STATE, STRATEGIES, STRATEGY_NAMES
 from peer.config import OPTIONS_BY_CLI, load_config
-from peer.runtime.manifest import manifest_for
+from peer.runtime.manifest import UNSET, manifest_for
 
 FIELDS = AveragingConfig.model_fields
 SWITCHED_ON = {  # each refusable setting switched on, with what it needs besides
@@ -87,6 +87,15 @@ def test_the_manifest_shares_the_settings_the_strategy_declares(name):
     settings = manifest_for(config, "bytelm", torch.nn.Linear(2, 1)).settings
     assert set(settings) == {"task", "model", "target_batch_size", "averaging", *STRATEGIES[name].shared_settings}
     assert settings["averaging"] == name
+
+
+def test_an_unset_optional_setting_is_shared_as_unset_and_a_set_one_as_its_value():
+    def group_size(flags: dict):
+        config = load_config(flags={"averaging": "local-sgd", **flags})
+        return manifest_for(config, "bytelm", torch.nn.Linear(2, 1)).settings["target_group_size"]
+
+    assert group_size({}) == UNSET
+    assert group_size({"target_group_size": 4}) == 4
 
 
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
