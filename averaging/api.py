@@ -213,6 +213,11 @@ class SessionOptimizer(SwarmProgress, Protocol):
         its state digest was found apart from the swarm's, and it has not downloaded since."""
 
     @property
+    def averages_after_epoch(self) -> bool:
+        """Whether its rounds run once the epoch they lead to has begun (local-sgd's parameter rounds, in the
+        background): a peer already at that epoch may still join one."""
+
+    @property
     def averages_in_groups(self) -> bool:
         """Whether its rounds average groups of the swarm, not all of it (--target-group-size): peers whose rounds
         were whole may still hold different states, so at their last epoch all of them take one peer's state."""

@@ -55,6 +55,7 @@ class SharesState(ReportsProgress):
 
     rounds: RoundKeeper
     averages_in_groups: bool = False
+    averages_after_epoch: bool = False
     state_averager: TrainingStateAverager
     grad_averager: Optional[DecentralizedAverager]
     donor_averagers: Tuple

@@ -104,6 +104,10 @@ class SoloOptimizer(ReportsProgress):
     def averages_in_groups(self) -> bool:
         return False
 
+    @property
+    def averages_after_epoch(self) -> bool:
+        return False
+
     def await_state_comparison(self, timeout_seconds: float) -> None:
         """No state to compare."""
 

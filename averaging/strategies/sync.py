@@ -88,6 +88,8 @@ class SyncOptimizer(SharesState, HookedOptimizer):
         if rounds.deadlines.auto:
             self._apply_deadlines(rounds.deadlines.current)
         self._start_agreement(agreement, slice(None))  # everything it serves: parameters and optimizer state
+        # local-sgd's parameter rounds land in the background, while the peer trains on in the epoch they lead to
+        self.averages_after_epoch = self.use_local_updates and self.delay_state_averaging
 
     # --- the Protocols, beyond what hivemind.Optimizer and SharesState already offer ---------------
 

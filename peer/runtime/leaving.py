@@ -154,11 +154,13 @@ def _everyone_else_announced(progress: Mapping[bytes, object], leaving: Mapping[
 
 
 def may_join_round_to(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
-                      me: bytes) -> bool:
+                      me: bytes, at_epoch: bool = False) -> bool:
     """Whether another peer may still join a round that leads to `epoch`: one behind it that has not said it
     leaves or pauses. Rounds meet only rounds that lead to the same epoch (averaging/adapter/epoch_keys.py), so a
-    peer already at `epoch` or past it never will."""
-    return any(their_epoch < epoch and _announced(leaving.get(owner), their_epoch)[0] is None
+    peer already past it never will, nor one at it, unless rounds run once their epoch has begun (`at_epoch`:
+    local-sgd averages parameters in the background while its peers train on in the epoch)."""
+    return any((their_epoch < epoch or (at_epoch and their_epoch == epoch))
+               and _announced(leaving.get(owner), their_epoch)[0] is None
                for owner, their_epoch in _current_epochs(progress, leaving, me).items())
 
 

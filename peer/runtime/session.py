@@ -252,7 +252,8 @@ class SwarmSession:
     def _nobody_joins(self, epoch: int) -> bool:
         """Whether no other peer can join a round of this peer's that leads to `epoch` any more."""
         records = self._recent_records()
-        return records is not None and not may_join_round_to(epoch, *records, self.me)
+        return records is not None and not may_join_round_to(epoch, *records, self.me,
+                                                             at_epoch=self.optimizer.averages_after_epoch)
 
     def _recent_records(self) -> Optional[tuple]:
         """The progress and leave records, read from the DHT at most once a second; None if they could not be."""

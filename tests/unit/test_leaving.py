@@ -110,6 +110,14 @@ def test_a_round_to_an_epoch_can_be_joined_only_by_a_peer_still_behind_it_that_h
     assert not may_join_round_to(10, progress(me=9), {}, ME)
 
 
+def test_where_rounds_run_once_their_epoch_began_a_peer_at_that_epoch_may_still_join():
+    """local-sgd: a peer that reached epoch 10 averages its parameters toward 10 in the background."""
+    assert may_join_round_to(10, progress(me=10, a=10), {}, ME, at_epoch=True)
+    assert not may_join_round_to(10, progress(me=10, a=10), {}, ME)
+    assert not may_join_round_to(10, progress(me=10, a=11), {}, ME, at_epoch=True)  # a is in its round to 11
+    assert not may_join_round_to(10, progress(me=10, a=10), {A: leave_record(10, DONE)}, ME, at_epoch=True)
+
+
 def test_a_final_state_exists_elsewhere_only_if_another_peer_reached_our_epoch():
     assert has_final_state_elsewhere(10, progress(me=10, a=10), ME)
     assert has_final_state_elsewhere(10, progress(me=10, a=11), ME)

@@ -88,7 +88,7 @@ class FakeOptimizer:
     def apart(self) -> bool:
         return False
 
-    averages_in_groups = False
+    averages_in_groups = averages_after_epoch = False
 
     @property
     def downloaded_at_epoch(self) -> Optional[int]:
