@@ -318,7 +318,7 @@ def build_sync(config: AveragingConfig, replica: Replica, parts: StrategyParts, 
 
 def build_local_sgd(config: AveragingConfig, replica: Replica, parts: StrategyParts) -> SyncOptimizer:
     """local-sgd: local steps, and parameters averaged every --average-state-every epochs (its only rounds), by the
-    whole swarm or in groups of up to --target-group-size peers."""
+    whole swarm or in groups of about --target-group-size peers."""
     return build_sync(config, replica, parts, use_local_updates=True, report_state_rounds=True,
                       group_size=config.target_group_size)
 
