@@ -20,6 +20,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FAST_SWARM_ARGS = ["--task", "bytelm-tiny", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *FAST_ARGS]
 
 
+# The swarms of four or more peers that also load the machine longest: pytest-xdist runs them one after another on
+# one worker. Started together on the three workers (CI, stop 41), they were 16 peer processes on 2 cores, and
+# all three failed: honest peers fell to 1-2 samples/s and out of step with their swarms.
+ONE_CROWD_AT_A_TIME = pytest.mark.same_worker("crowded_swarms")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -14,10 +14,12 @@ import pytest
 from benchmarks import netns
 from benchmarks.partition import HALVES, measure, one_run
 from peer.telemetry.events import EpochEnded, StateDownloaded, SwarmRejoined, SwarmSplit
+from tests.peers import ONE_CROWD_AT_A_TIME
 
 CUT_SECONDS = 40.0
 
 
+@ONE_CROWD_AT_A_TIME
 @pytest.mark.timeout(420)  # about 130 s alone; peers crawl when the suite runs beside it
 async def test_a_partitioned_swarm_trains_on_both_sides_says_so_and_heals(tmp_path: Path):
     reason = netns.unavailable_reason()
