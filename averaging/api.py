@@ -240,7 +240,17 @@ class SessionOptimizer(SwarmProgress, Protocol):
 
     def offer_final_state(self) -> bool:
         """Rank this peer's state first among donors at its epoch, once its updates are applied; True once
-        the swarm can see that (leaving peers whose last round failed then download from this one)."""
+        the swarm can see that (leaving peers whose last round failed then download from this one). Offers rank
+        among themselves by peer id (averaging/swarm/donor.py)."""
+
+    def download_final_state(self) -> bool:
+        """Download the state of the best-ranked donor at this peer's epoch (an offer, if one is declared); True if
+        one was loaded. It remembers the best offer it saw, for `better_final_offer`."""
+
+    def better_final_offer(self) -> bool:
+        """Whether a final state is offered at this peer's epoch that ranks above the one it holds (its own offer,
+        or the best one offered when it downloaded): with grouped rounds, two peers that saw different parts of
+        the swarm may each offer a state of their own."""
 
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
         """Leave the swarm: stop the background processes, with bounded waits."""

@@ -20,9 +20,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 FAST_SWARM_ARGS = ["--task", "bytelm-tiny", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *FAST_ARGS]
 
 
-# The swarms of four or more peers that also load the machine longest: pytest-xdist runs them one after another on
-# one worker. Started together on the three workers (CI, stop 41), they were 16 peer processes on 2 cores, and
-# all three failed: honest peers fell to 1-2 samples/s and out of step with their swarms.
+# Swarms of four or five peers that load the machine longest: pytest-xdist runs them one after another on one
+# worker. Started together with the seven-peer hostile swarm (now `solo`) on the three workers, they were 16 peer
+# processes on 2 cores, and all three failed: honest peers fell to 1-2 samples/s and out of step with their swarms.
 ONE_CROWD_AT_A_TIME = pytest.mark.same_worker("crowded_swarms")
 
 

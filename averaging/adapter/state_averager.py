@@ -150,11 +150,13 @@ class ReportingStateAverager(GuardedStateAverager):
         """:param group_for: for grouped rounds, the group of the round that leads to an epoch
         (averaging/swarm/groups.py); its rounds meet under that group's key (averaging/adapter/epoch_keys.py)"""
         self._report, self._group_for = report, group_for
-        self.chosen_group = ChosenGroup()  # before the averager process forks: shared with it
+        # made before the averager process forks: shared with it
+        self.chosen_group = ChosenGroup() if group_for is not None else None
         super().__init__(**kwargs)
 
     def run(self):  # the averager's own process
-        self.chosen_group.use()
+        if self.chosen_group is not None:
+            self.chosen_group.use()
         super().run()
 
     def schedule_step(self, scheduled_time=None, **kwargs):

@@ -13,6 +13,7 @@ in its bases, where averaging/adapter/ would not know them.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Optional, Tuple
 
 from hivemind.averaging import DecentralizedAverager
@@ -27,7 +28,15 @@ from averaging.pipeline.stragglers import claim
 from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.rounds import RoundKeeper
 from averaging.swarm import progress
-from averaging.swarm.donor import DonorView, declare_apart, declare_whole, donor_view, offer_state
+from averaging.swarm.donor import (
+    DonorView,
+    declare_apart,
+    declare_whole,
+    donor_view,
+    final_offers,
+    offer_priority,
+    offer_state,
+)
 
 
 class ReportsProgress:
@@ -84,10 +93,29 @@ class SharesState(ReportsProgress):
     def refuse(self, peers: Iterable[str]) -> None:
         self.rounds.refuse(peers)
 
+    _held_offer: float = -math.inf
+    """The rank of the final-state offer this peer holds: its own, or the best one offered when it downloaded."""
+
     def offer_final_state(self) -> bool:
         self.wait_for_background_updates()
         self._record_state(reference=True)
-        return offer_state(self.donor_averagers, self.local_epoch)
+        offered = offer_state(self.donor_averagers, self.local_epoch)
+        if offered:
+            self._held_offer = offer_priority(self.local_epoch, self.state_averager.peer_id.to_bytes())
+        return offered
+
+    def download_final_state(self) -> bool:
+        best = max(self._final_offers().values(), default=-math.inf)
+        loaded = self.load_state_from_peers()  # hivemind takes the best-ranked donor first
+        if loaded:
+            self._held_offer = max(self._held_offer, best)
+        return loaded
+
+    def better_final_offer(self) -> bool:
+        return max(self._final_offers().values(), default=-math.inf) > self._held_offer
+
+    def _final_offers(self) -> dict:
+        return final_offers(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
 
     def _donors(self) -> DonorView:
         return donor_view(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())

@@ -125,6 +125,12 @@ class SoloOptimizer(ReportsProgress):
     def offer_final_state(self) -> bool:
         return False
 
+    def download_final_state(self) -> bool:
+        return self.load_state_from_peers()
+
+    def better_final_offer(self) -> bool:
+        return False
+
     def shutdown(self, timeout_seconds: float = 10.0) -> None:
         self.tracker.shutdown(min(5.0, timeout_seconds))
         self.rounds.close()

@@ -52,7 +52,7 @@ from averaging.strategies.membership import SharesState, join_or_terminate
 from averaging.strategies.parts import StrategyParts
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
 from averaging.swarm import progress
-from averaging.swarm.groups import round_group
+from averaging.swarm.groups import RecentPeers, round_group
 from dht.keys import SwarmKeys
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,6 @@ class SyncOptimizer(SharesState, HookedOptimizer):
     ):
         self.keys, self.rounds, self.signing_key = keys, rounds, signing_key
         self.report_state_rounds, self.group_size = report_state_rounds, group_size
-        self.averages_in_groups = group_size is not None
         requested_client_mode = kwargs.get("client_mode")
         super().__init__(run_id=keys.namespace, **kwargs)
         if requested_client_mode is not None and self.client_mode != requested_client_mode:
@@ -87,11 +86,17 @@ class SyncOptimizer(SharesState, HookedOptimizer):
                                           evidence=self.weight_bound.evidence if self.weight_bound else None)
         if rounds.deadlines.auto:
             self._apply_deadlines(rounds.deadlines.current)
+        if self.averages_in_groups:
+            self.tracker.members = RecentPeers()  # filled by its reads (averaging/adapter/progress_filter.py)
         self._start_agreement(agreement, slice(None))  # everything it serves: parameters and optimizer state
         # local-sgd's parameter rounds land in the background, while the peer trains on in the epoch they lead to
         self.averages_after_epoch = self.use_local_updates and self.delay_state_averaging
 
     # --- the Protocols, beyond what hivemind.Optimizer and SharesState already offer ---------------
+
+    @property
+    def averages_in_groups(self) -> bool:
+        return self.group_size is not None
 
     @property
     def deadlines(self) -> Deadlines:
@@ -170,10 +175,9 @@ class SyncOptimizer(SharesState, HookedOptimizer):
         )
 
     def _round_group(self, epoch: int) -> int:
-        """This peer's group in the round that leads to `epoch`, among the training peers its tracker read: their
+        """This peer's group in the round that leads to `epoch`, among the training peers its tracker has read: their
         epochs are not asked, since a record may lag its peer's epoch by a refresh (a peer far behind downloads)."""
-        members = getattr(self.tracker, "training_peers", ())
-        return round_group(epoch, members, self.dht.peer_id.to_bytes(), self.group_size)
+        return round_group(epoch, self.tracker.members.current(), self.dht.peer_id.to_bytes(), self.group_size)
 
     def entered_global_epoch(self) -> None:
         if self.use_gradient_averaging:  # with local updates (local-sgd), peers reach an epoch at their own pace

@@ -12,7 +12,9 @@
 - Leaving at --max-epochs (the rules are in peer/runtime/leaving.py): a peer whose last round failed
   downloads the final state from a peer that has it; then it stays while another peer may still
   need it. With grouped rounds (--target-group-size), every peer leaves as if its last round had
-  failed: the groups each hold a state of their own, so all take the one that the smallest id offers.
+  failed: the groups each hold a state of their own, so all take the one that the smallest id offers;
+  where views differed and two peers offered, each peer that sees an offer ranked above the one it
+  holds (averaging/swarm/donor.py) downloads that one, until it leaves.
 - Leaving for any reason: rounds still looking for a group a matchmaking window (plus a second for
   the leader's answer) after leaving began never will find one, and are abandoned; without this,
   Ctrl+C on a peer whose partners just left waits each round out. So are the rounds of a peer left
@@ -193,6 +195,10 @@ class SwarmSession:
         self._publish(self.keys.leaving, leave_record(epoch, DONE, offers))
         silent_since: Dict[bytes, float] = {}
         while not self.stop and time.monotonic() < deadline:
+            if grouped and self.optimizer.better_final_offer():  # first: the others may all be done by now
+                logger.info("a peer with a smaller id offers its final state too: downloading it, so that the "
+                            "swarm ends with one state")
+                self.optimizer.download_final_state()
             progress, leaving = self._progress_and_leave_records()
             if everyone_else_done(progress, leaving, self.me):
                 return
@@ -228,7 +234,7 @@ class SwarmSession:
             return self.optimizer.offer_final_state()
         # a donor offers its state, or none said in time: the best-ranked donor is the best guess
         logger.info(f"{why}: downloading the swarm's final state before leaving")
-        self.optimizer.load_state_from_peers()
+        self.optimizer.download_final_state()
         return False
 
     def _final_state_source(self, epoch: int, give_up_at: float, waited_out: bool, candidate: bool) -> Source:

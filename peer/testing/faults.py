@@ -12,7 +12,8 @@ points, so a test says what goes wrong and when, instead of patching private met
   diloco): reported as `failed`, and handled as any failed round (local gradients, then a resync);
 - `stall_after_epoch` / `stall_seconds`: after reporting that global epoch, the loop stalls between two
   steps (a stop request ends the stall): past the averaging timeout, the peer misses the next round;
-- `perturb_params_at_epoch`: after reporting that global epoch, every parameter moves by noise of
+- `perturb_params_at_epoch`: after reporting that global epoch (or the first past it, where a download
+  skipped it), every parameter moves by noise of
   `perturb_scale` times its own scale: the peer drifts from the swarm without any round telling it.
 
 Each of those happens once. Two more are not faults but a test's control over the run:
@@ -170,7 +171,8 @@ class FaultInjector:
         return negated
 
     def after_epoch(self, epoch: int, parameters: Iterable[torch.Tensor] = ()) -> None:
-        if epoch == self.plan.perturb_params_at_epoch and not self._perturbed:
+        at = self.plan.perturb_params_at_epoch
+        if at is not None and epoch >= at and not self._perturbed:
             self._perturb(epoch, parameters)
         if epoch != self.plan.stall_after_epoch or self._stalled:
             return

@@ -16,6 +16,8 @@ from averaging.swarm.donor import (
     declare_whole,
     declared_priorities,
     donor_view,
+    final_offers,
+    offer_priority,
     offer_state,
 )
 from tests.inprocess.test_averaging import start_dhts
@@ -51,12 +53,34 @@ def test_a_downloading_peer_takes_the_offered_state_over_others_at_the_same_epoc
         silent.allow_state_sharing = False
 
         assert offer_state([offering, None], EPOCH)
-        assert offering.state_sharing_priority == EPOCH + DONOR_BONUS
+        assert offering.state_sharing_priority == offer_priority(EPOCH, offering.peer_id.to_bytes())
         # hivemind breaks ties between equal priorities at random: five draws all landing on the offer is no luck
         for _ in range(5):
             _, tensors = downloader.load_state_from_peers(timeout=20)
             assert torch.equal(tensors[0], torch.full((16,), 2.0))
         assert not offer_state([silent], EPOCH)  # shares no state: it cannot tell others to download from it
+
+
+@pytest.mark.timeout(120)
+def test_two_offers_at_one_epoch_rank_by_peer_id_so_every_download_takes_the_smallest_ids():
+    # grouped rounds: two peers that each saw no smaller id at the last epoch both offer, and their states differ
+    with donors(3) as averagers:
+        downloader, offering = averagers[0], averagers[1:]
+        for averager in offering:
+            assert offer_state([averager], EPOCH)
+        first, second = sorted(offering, key=lambda averager: averager.peer_id.to_bytes())
+        wait_until(lambda: len(final_offers(downloader, EPOCH)) == 2, timeout=15, message="both offers")
+        offers = final_offers(downloader, EPOCH)
+        assert max(offers, key=offers.get) == first.peer_id.to_bytes()
+        assert all(EPOCH + DONOR_BONUS < priority < EPOCH + 1 for priority in offers.values())
+        assert final_offers(downloader, EPOCH + 1) == {}  # offers are for their epoch only
+        assert set(final_offers(downloader, EPOCH, excluded={first.peer_id.to_bytes()})) == {
+            second.peer_id.to_bytes()}
+        with first.get_tensors() as (expected,):
+            expected = expected.clone()
+        for _ in range(5):  # hivemind's random tie-break never comes into it
+            _, tensors = downloader.load_state_from_peers(timeout=20)
+            assert torch.equal(tensors[0], expected)
 
 
 @pytest.mark.timeout(120)

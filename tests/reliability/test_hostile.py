@@ -17,7 +17,6 @@ import torch
 from peer.telemetry.events import EpochEnded, Joined, PeerExcluded
 from peer.testing import Peer, Swarm, max_parameter_difference, until
 from peer.testing.faults import HOSTILE_PEERS, FaultPlan
-from tests.peers import ONE_CROWD_AT_A_TIME
 
 # A sign flip is told from an honest gradient only while honest gradients agree in direction: early in
 # training. Late, with single-batch noise, its cosine to the others' median nears 0 (as an honest one's does),
@@ -88,7 +87,7 @@ async def trained_below_their_start(honest: List[Peer]) -> None:
         await peer.wait_for(EpochEnded, recovered, timeout=240, what=f"a validation loss below {goal:.2f}")
 
 
-@ONE_CROWD_AT_A_TIME
+@pytest.mark.solo  # seven peer processes on the CI's 2 cores: run alone, after the suite (.ci/run)
 @pytest.mark.timeout(600)
 async def test_honest_peers_drop_then_exclude_each_kind_of_attacker_and_train_on(tmp_path: Path):
     # The default --exclude-after 3: with 2, an honest peer a round out of step (13x the others' gradient

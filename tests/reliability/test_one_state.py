@@ -17,7 +17,10 @@ from peer.telemetry.events import DownloadRejected, PeerExcluded, RoundEnded, St
 from peer.testing import Swarm, max_parameter_difference
 from peer.testing.faults import FaultPlan
 
-PERTURBED_AFTER = 3
+# Past the first epochs, whose rounds a swarm still joining under load leaves partial: an honest peer left apart then
+# downloads, and may take the drifter's state (CI: its round to epoch 4 was partial, and it took the drifter's at
+# epoch 8); two of three then hold the drifted state, and it is the swarm's.
+PERTURBED_AFTER = 10
 EPOCHS = 80  # only the bound: the run ends two epochs after the checks
 
 

@@ -77,6 +77,18 @@ def test_the_stall_comes_after_the_planned_epoch_once_through_the_stop_aware_wai
     assert waits == [7.5]
 
 
+def test_the_parameters_move_once_at_the_planned_epoch_or_the_first_past_it_that_a_download_reached():
+    parameter = torch.arange(8.0)  # noise is scaled by the parameter's spread
+    faults = FaultInjector(FaultPlan(perturb_params_at_epoch=5))
+    faults.after_epoch(4, [parameter])
+    assert torch.equal(parameter, torch.arange(8.0))
+    faults.after_epoch(7, [parameter])  # a download skipped epochs 5 and 6
+    moved = parameter.clone()
+    assert not torch.equal(moved, torch.arange(8.0))
+    faults.after_epoch(8, [parameter])
+    assert torch.equal(parameter, moved)
+
+
 @pytest.mark.parametrize("plan", [{"stall_seconds": -1}, {"nan_loss_at_steps": [0]}, {"stall_seconds": "inf"},
                                   {"fail_round_at_epoch": 1.5}, {"unknown": 1},
                                   {"gradient_factor": "nan"}])

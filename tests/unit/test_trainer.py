@@ -136,6 +136,12 @@ class FakeOptimizer:
         self.calls.append("offer_final_state")
         return True
 
+    def download_final_state(self) -> bool:
+        return self.load_state_from_peers()
+
+    def better_final_offer(self) -> bool:
+        return False
+
     def wait_for_background_updates(self) -> None:
         self.calls.append("wait_for_background_updates")
 

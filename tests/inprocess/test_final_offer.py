@@ -1,0 +1,68 @@
+"""Leaving at the last epoch with grouped rounds (peer/runtime/session.py), with a real DHT in this process: a peer
+that offered its state, or took another's, and then sees an offer ranked above it downloads that one before it
+leaves; without grouped rounds the offers all hold the swarm's one state, and nobody looks."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import List
+
+import hivemind
+import pytest
+
+from dht.keys import SwarmKeys
+from peer.process.signals import StopRequest
+from peer.runtime.session import SwarmSession
+
+EPOCH = 6
+
+
+class LeavingOptimizer:
+    """What leaving asks of the optimizer; a better offer shows up once this peer has offered its own."""
+
+    def __init__(self, grouped: bool):
+        self.averages_in_groups, self.calls = grouped, []
+        self.deadlines = SimpleNamespace(matchmaking_seconds=1.0, averaging_timeout_seconds=2.0)
+        self.local_epoch, self.downloaded_at_epoch, self.apart = EPOCH, None, False
+        self._better_offers = 1
+
+    def await_state_comparison(self, timeout_seconds: float) -> None:
+        pass
+
+    def load_state_from_donor_ahead(self) -> bool:
+        return False
+
+    def offer_final_state(self) -> bool:
+        self.calls.append("offer")
+        return True
+
+    def better_final_offer(self) -> bool:
+        return "offer" in self.calls and self._better_offers > 0
+
+    def download_final_state(self) -> bool:
+        self.calls.append("download")
+        self._better_offers -= 1  # what it downloaded is now the best offer
+        return True
+
+
+def leave(grouped: bool) -> List[str]:
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    optimizer = LeavingOptimizer(grouped)
+    session = SwarmSession(dht, SwarmKeys.for_run("final_offer_test"), optimizer, StopRequest(),
+                           record_ttl_seconds=30.0)
+    try:
+        session.leave_at_last_epoch("ok")
+        return optimizer.calls
+    finally:
+        session.close()
+        dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_grouped_peer_that_sees_an_offer_above_its_own_downloads_it_once():
+    # alone at the last epoch, it offers its own state (the smallest id it can see); then a better-ranked one shows
+    assert leave(grouped=True) == ["offer", "download"]
+
+
+@pytest.mark.timeout(60)
+def test_without_groups_a_peer_whose_round_was_whole_only_offers():
+    assert leave(grouped=False) == ["offer"]
