@@ -8,8 +8,9 @@ peers from round to round, and over rounds with the whole swarm (Moshpit SGD's m
 Peers that see the same members deal the same groups. What a peer sees is every training peer whose progress record
 it has read and that has not expired (`RecentPeers`), not only those of its last read: under load, one read of the
 DHT misses records (16 peers on one 2-core machine: each read showed 6 to 14 of them, so peers dealt different groups
-and met in twos and threes). A peer that sees another swarm (one that joined or left a moment ago) may still land in
-a group by itself, whose round fails, and it then downloads a group's state.
+and met in twos and threes). A peer that left counts until its record expires (three matchmaking windows, at least
+15 s), and its group averages without it meanwhile. A peer that sees another swarm (one that joined a moment ago) may
+still land in a group by itself, whose round fails, and it then downloads a group's state.
 """
 from __future__ import annotations
 
