@@ -245,7 +245,7 @@ class SessionOptimizer(SwarmProgress, Protocol):
 
     def download_final_state(self) -> bool:
         """Download the state of the best-ranked donor at this peer's epoch (an offer, if one is declared); True if
-        one was loaded. It remembers the best offer it saw, for `better_final_offer`."""
+        one was loaded. It remembers the best offer it saw, loaded or not, for `better_final_offer`."""
 
     def better_final_offer(self) -> bool:
         """Whether a final state is offered at this peer's epoch that ranks above the one it holds (its own offer,

@@ -94,7 +94,8 @@ class SharesState(ReportsProgress):
         self.rounds.refuse(peers)
 
     _held_offer: float = -math.inf
-    """The rank of the final-state offer this peer holds: its own, or the best one offered when it downloaded."""
+    """The rank of the final-state offer this peer holds: its own, or the best one offered when it last downloaded
+    (even if that download failed: a donor that has left is not asked again and again)."""
 
     def offer_final_state(self) -> bool:
         self.wait_for_background_updates()
@@ -105,17 +106,15 @@ class SharesState(ReportsProgress):
         return offered
 
     def download_final_state(self) -> bool:
-        best = max(self._final_offers().values(), default=-math.inf)
-        loaded = self.load_state_from_peers()  # hivemind takes the best-ranked donor first
-        if loaded:
-            self._held_offer = max(self._held_offer, best)
-        return loaded
+        self._held_offer = max(self._held_offer, self._best_final_offer())
+        return self.load_state_from_peers()  # hivemind takes the best-ranked donor first
 
     def better_final_offer(self) -> bool:
-        return max(self._final_offers().values(), default=-math.inf) > self._held_offer
+        return self._best_final_offer() > self._held_offer
 
-    def _final_offers(self) -> dict:
-        return final_offers(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
+    def _best_final_offer(self) -> float:
+        offers = final_offers(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())
+        return max(offers.values(), default=-math.inf)
 
     def _donors(self) -> DonorView:
         return donor_view(self.state_averager, self.local_epoch, self.rounds.excluded_peer_ids())

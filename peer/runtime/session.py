@@ -196,8 +196,8 @@ class SwarmSession:
         silent_since: Dict[bytes, float] = {}
         while not self.stop and time.monotonic() < deadline:
             if grouped and self.optimizer.better_final_offer():  # first: the others may all be done by now
-                logger.info("a peer with a smaller id offers its final state too: downloading it, so that the "
-                            "swarm ends with one state")
+                logger.info("a final state ranked above the one this peer holds is offered (a smaller peer id's): "
+                            "downloading it, so that the swarm ends with one state")
                 self.optimizer.download_final_state()
             progress, leaving = self._progress_and_leave_records()
             if everyone_else_done(progress, leaving, self.me):
