@@ -161,6 +161,7 @@ class CanonicalAllReduceRunner(AllReduceRunner):
         # upstream's _communicate_with_peer for another peer, counting the parts whose replies say LEFT_OUT
         peer_index = self.ordered_peer_ids.index(peer_id)
         expected_parts = self.tensor_part_container.num_parts_by_peer[peer_index]
+        part_index = 0
         try:
             done_sending = asyncio.Event()
             inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
@@ -178,7 +179,6 @@ class CanonicalAllReduceRunner(AllReduceRunner):
                     raise AllreduceException(f"{peer_id} sent more than the {len(sent_parts)} parts due")
                 return deserialize_part(msg.tensor_part, sent_parts[index][0].numel(), peer_id), msg
 
-            part_index = 0
             async for average, msg in amap_in_executor(
                 _try_deserialize, aenumerate(aiter_with_timeout(stream, self.reducer_timeout)),
                 max_prefetch=self.tensor_part_container.prefetch,
@@ -192,8 +192,10 @@ class CanonicalAllReduceRunner(AllReduceRunner):
             if part_index != expected_parts:
                 raise AllreduceException(f"peer {peer_id} sent {part_index} parts, but we expected {expected_parts}")
         except BaseException as e:
-            if isinstance(e, Exception):
-                logger.debug(f"Caught {repr(e)} when communicating to {peer_id}", exc_info=True)
+            if isinstance(e, Exception):  # upstream says so at debug level only: a partial round went unexplained
+                logger.warning(f"Reducer {peer_id} failed after {part_index} of {expected_parts} parts ({e!r}): "
+                               f"this peer keeps its own values there")
+                logger.debug(f"Caught {e!r} when communicating to {peer_id}", exc_info=True)
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 
