@@ -43,7 +43,8 @@ class RobustPartReducer(GracefulPartReducer):
         self.contributions: List[Contribution] = []
         self.offences: Dict[int, Finding] = {}  # sender index -> its first offence (a drop before a weight claim)
         self.participated: set = set()
-        self.fully_judged: set = set()  # senders of a part whose direction was judged
+        self.norm_judged: set = set()  # senders of a part whose norm was judged
+        self.fully_judged: set = set()  # senders of a part whose direction was judged too
         self.dropped: set = set()  # senders with a part left out of this round
         self.used_weight: Dict[int, float] = {}  # sender index -> the weight its parts were combined with
         super().__init__(part_shapes, len(self.sender_peer_ids), grace)
@@ -58,8 +59,8 @@ class RobustPartReducer(GracefulPartReducer):
 
     def finish_current_part(self) -> None:
         try:
-            result, drops, fully_judged, capped = aggregate(self.contributions, self.defence.policy,
-                                                            self.excluded_senders, self.weight_bound, self.own_sender)
+            result, drops, norm_judged, fully_judged, capped = aggregate(
+                self.contributions, self.defence.policy, self.excluded_senders, self.weight_bound, self.own_sender)
         except NothingToAggregate as e:
             self.current_part_future.set_exception(AllreduceException(f"part {self.current_part_index}: {e}"))
             self.finalize()
@@ -71,6 +72,8 @@ class RobustPartReducer(GracefulPartReducer):
         caps = {claim.sender: claim.cap for claim in capped}
         for item in self.contributions:
             self.used_weight[item.sender] = caps.get(item.sender, item.weight)
+        if norm_judged:
+            self.norm_judged.update(item.sender for item in self.contributions)
         if fully_judged:
             self.fully_judged.update(item.sender for item in self.contributions)
         self.current_part_future.set_result(result)
@@ -115,16 +118,17 @@ class RobustPartReducer(GracefulPartReducer):
             if peer == self.own_peer_id or index in self.excluded_senders:
                 continue  # a peer never accuses itself; the excluded are already judged
             offence: Optional[Finding] = self.offences.get(index)
-            if offence is None and index not in self.fully_judged:
-                # no verdict: a round in which a sign flip could not have been seen (a group of three, or
-                # no consensus on a direction) must not count as clean, or such rounds would outnumber an
-                # attacker's offences in its exclusion window
-                continue
+            if offence is None and index not in self.norm_judged:
+                continue  # no verdict: a round in which no outlier could have been seen (fewer than three senders)
+            # a round in which a sign flip could not have been seen (a group of three, or no consensus on a
+            # direction) is clean only for the checks that ran (averaging/pipeline/exclusion.py)
+            direction_judged = index in self.fully_judged
             if offence is None:
-                verdicts.append(Verdict(peer.to_base58(), self.round_id))
+                verdicts.append(Verdict(peer.to_base58(), self.round_id, direction_judged=direction_judged))
                 continue
             dropped = isinstance(offence, Drop)
-            verdicts.append(Verdict(peer.to_base58(), self.round_id, offence.reason, offence.detail, dropped=dropped))
+            verdicts.append(Verdict(peer.to_base58(), self.round_id, offence.reason, offence.detail, dropped=dropped,
+                                    direction_judged=direction_judged))
             logger.debug(f"{'dropped the contribution' if dropped else 'capped the weight'} of {peer} in round "
                          f"{self.round_id}: {offence.reason} ({offence.detail})")
         return verdicts

@@ -35,11 +35,14 @@ class Verdict:
 
     peer: str  # base58
     round_id: str
-    offence: str = ""  # a Drop or WeightClaim reason, or "" when every part it sent was kept and judged by every check
+    offence: str = ""  # a Drop or WeightClaim reason, or "" when every part it sent was kept
     detail: str = ""
     dropped: bool = False
     """Whether the offence left its contribution out (a drop, counted as one); False for a clean round, and for an
     offence whose contribution was still used (a weight claim, capped) or that was no contribution (a bad state)."""
+    direction_judged: bool = True
+    """Whether the direction check ran on the sender's contribution (four or more senders that agree on a direction):
+    where it did not, a sign flip would have gone unseen, and the round is clean only for the other checks."""
 
 
 @dataclass(frozen=True)

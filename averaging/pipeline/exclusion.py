@@ -3,9 +3,15 @@
 Reducers judge each sender once per round (averaging/adapter/reducer.py): an offence is a contribution dropped
 (NaN/Inf, norm, direction) or a weight claim above twice the target batch (its contribution was used, capped).
 A peer is excluded once `threshold` of its last `window` judged rounds were offences, so that one transient
-NaN, or an honest peer's rare outlier, never excludes anyone. A round counts as clean only if every check could
-run on it: a group of three cannot tell a sign flip, and such rounds would otherwise fill an attacker's window
-(in groups of 3 and 4 under load, the sign flipper went unexcluded for 120 s). Exclusion lasts for the rest of
+NaN, or an honest peer's rare outlier, never excludes anyone. A clean round counts only for the checks that ran
+on it, so each peer has two windows:
+- every round in which at least the norm check ran (three or more senders): an honest peer's rare norm outliers
+  are diluted by its clean rounds. Counting only rounds in which every check ran let an honest peer's three
+  outliers over any number of rounds in groups of three exclude it (seen: a 7-peer swarm once its attackers were
+  gone);
+- the rounds in which its direction was judged too (four or more senders that agree on a direction): a group of
+  three cannot tell a sign flip, and its rounds would otherwise fill a sign flipper's window (in groups of 3 and 4
+  under load, the sign flipper went unexcluded for 120 s). Exclusion lasts for the rest of
 the run, or `seconds` when set; it is logged once with the peer's id and counted. This peer is never judged:
 reducers leave their own contribution out of the verdicts.
 
@@ -44,7 +50,10 @@ class ExclusionBook:
 
     def __init__(self, rule: ExclusionRule, clock: Callable[[], float] = time.monotonic):
         self.rule, self.clock = rule, clock
-        self._recent: Dict[str, Deque[str]] = {}  # peer -> offences ("" for a clean round), newest last
+        # peer -> offences ("" for a clean round), newest last: in every judged round, and in those whose direction
+        # was judged
+        self._recent: Dict[str, Deque[str]] = {}
+        self._directional: Dict[str, Deque[str]] = {}
         self._until: Dict[str, float] = {}
 
     def record(self, verdicts: Iterable[Verdict]) -> List[Tuple[str, str]]:
@@ -53,17 +62,21 @@ class ExclusionBook:
         for verdict in verdicts:
             if verdict.peer in self._until:
                 continue
-            recent = self._recent.setdefault(verdict.peer, deque(maxlen=self.rule.window))
-            recent.append(verdict.offence)
-            offences = [offence for offence in recent if offence]
-            if len(offences) >= self.rule.threshold or verdict.offence in IMMEDIATE_OFFENCES:
+            windows = [("judged rounds", self._recent.setdefault(verdict.peer, deque(maxlen=self.rule.window)))]
+            if verdict.direction_judged:
+                windows.append(("rounds that judged its direction",
+                                self._directional.setdefault(verdict.peer, deque(maxlen=self.rule.window))))
+            why = verdict.detail or verdict.offence if verdict.offence in IMMEDIATE_OFFENCES else None
+            for what, recent in windows:
+                recent.append(verdict.offence)
+                offences = [offence for offence in recent if offence]
+                if why is None and len(offences) >= self.rule.threshold:
+                    why = (f"{len(offences)} of its last {len(recent)} {what} were offences "
+                           f"({', '.join(sorted(set(offences)))}; last: {verdict.detail or verdict.offence})")
+            if why is not None:
                 self._until[verdict.peer] = self.clock() + (self.rule.seconds or float("inf"))
-                del self._recent[verdict.peer]
-                reasons = ", ".join(sorted(set(offences)))
-                why = (f"{len(offences)} of its last {len(recent)} judged rounds were offences ({reasons}; "
-                       f"last: {verdict.detail or verdict.offence})")
-                if verdict.offence in IMMEDIATE_OFFENCES:
-                    why = verdict.detail or verdict.offence
+                self._recent.pop(verdict.peer, None)
+                self._directional.pop(verdict.peer, None)
                 newly_excluded.append((verdict.peer, why))
         return newly_excluded
 

@@ -140,6 +140,7 @@ Finding = Union[Drop, WeightClaim]
 class Aggregate(NamedTuple):
     result: torch.Tensor
     drops: List[Drop]
+    norm_judged: bool  # the norm check ran (False: fewer than three contributions, or it was not applied)
     fully_judged: bool  # every check that is on ran (False: too few contributions, or no direction consensus)
     capped: List[WeightClaim]  # weights capped to the bound (the contribution is used, unless a check drops it)
 
@@ -150,10 +151,11 @@ class NothingToAggregate(RuntimeError):
 
 def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, excluded: Sequence[int] = (),
               bound: Optional[WeightBound] = None, own: Optional[int] = None) -> Aggregate:
-    """Combine the contributions to one part; return the result, what was dropped and why, whether
-    every check that is on could run (with fewer than four contributions, or no consensus on a direction,
-    a sign flip would have gone unseen), and whose weight was capped (where `bound` is given: the weights
-    are sample counts). `own` is the sender that is this peer, whose contribution it trusts."""
+    """Combine the contributions to one part; return the result, what was dropped and why, whether the norm
+    check ran (with three or more contributions), whether every check that is on could run (with fewer than four
+    contributions, or no consensus on a direction, a sign flip would have gone unseen), and whose weight was
+    capped (where `bound` is given: the weights are sample counts). `own` is the sender that is this peer, whose
+    contribution it trusts."""
     contributions = sorted(contributions, key=lambda item: item.sender)  # arrival order must not change a bit
     senders = sum(1 for item in contributions if _claims_samples(item))
     drops: List[Drop] = []
@@ -169,13 +171,13 @@ def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, exclu
             capped.append(WeightClaim(item.sender, item.weight, cap, bound.plausible))
             item = replace(item, weight=cap)
         kept.append(item)
-    fully_judged = False
+    norm_judged = fully_judged = False
     if len(kept) >= 3:
-        kept, outliers, fully_judged = _drop_outliers(kept, policy, own)
+        kept, outliers, norm_judged, fully_judged = _drop_outliers(kept, policy, own)
         drops += outliers
     if not kept:
         raise NothingToAggregate(f"all {len(contributions)} contributions were dropped: {_describe(drops)}")
-    return Aggregate(_combine(kept, policy), drops, fully_judged, capped)
+    return Aggregate(_combine(kept, policy), drops, norm_judged, fully_judged, capped)
 
 
 def _claims_samples(item: Contribution) -> bool:
@@ -194,12 +196,12 @@ def _screen(item: Contribution, excluded: Sequence[int]) -> Optional[Drop]:
 
 
 def _drop_outliers(kept: List[Contribution], policy: RobustPolicy,
-                   own: Optional[int]) -> Tuple[List[Contribution], List[Drop], bool]:
-    """The norm check, then the direction check. A check that would drop `own` (this peer's contribution) together
-    with others is not applied to the part: what it judges against, the others' median, is then not one this peer
-    can trust (a hostile majority's), and the honest peers that agree with this one would be dropped, and
-    excluded, with it. A check that would drop `own` alone applies: this peer is the outlier (a faulty gradient
-    must not reach the swarm through its own reducer)."""
+                   own: Optional[int]) -> Tuple[List[Contribution], List[Drop], bool, bool]:
+    """The norm check, then the direction check, and whether each ran. A check that would drop `own` (this peer's
+    contribution) together with others is not applied to the part: what it judges against, the others' median, is
+    then not one this peer can trust (a hostile majority's), and the honest peers that agree with this one would be
+    dropped, and excluded, with it. A check that would drop `own` alone applies: this peer is the outlier (a faulty
+    gradient must not reach the swarm through its own reducer)."""
     norms = torch.stack([item.part.double().norm() for item in kept])
     survivors, drops = [], []
     for index, item in enumerate(kept):
@@ -210,26 +212,26 @@ def _drop_outliers(kept: List[Contribution], policy: RobustPolicy,
         else:
             survivors.append(item)
     if _among_others(own, [drop.sender for drop in drops]):
-        return kept, [], False
+        return kept, [], False, False
     if policy.min_cosine <= -1.0:
-        return survivors, drops, True  # every check that is on has run
+        return survivors, drops, True, True  # every check that is on has run
     if len(survivors) < MIN_SENDERS_FOR_DIRECTION:
-        return survivors, drops, False
+        return survivors, drops, True, False
     cosines = _cosines_to_the_others(survivors)
     judged = [cosine for cosine in cosines if cosine is not None]
     if not judged or float(torch.tensor(judged).quantile(0.5)) < DIRECTION_CONSENSUS:
-        return survivors, drops, False  # no direction that the contributions agree on: nothing to judge against
+        return survivors, drops, True, False  # no direction the contributions agree on: nothing to judge against
     away = [item.sender for item, cosine in zip(survivors, cosines)
             if cosine is not None and cosine < policy.min_cosine]
     if _among_others(own, away):
-        return survivors, drops, False
+        return survivors, drops, True, False
     kept = []
     for item, cosine in zip(survivors, cosines):
         if item.sender in away:
             drops.append(Drop(item.sender, "direction", f"cosine {cosine:.2f} to the others' median"))
         else:
             kept.append(item)
-    return kept, drops, True
+    return kept, drops, True, True
 
 
 def _among_others(own: Optional[int], dropped: List[int]) -> bool:

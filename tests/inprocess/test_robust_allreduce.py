@@ -134,13 +134,17 @@ def test_a_sign_flipped_over_claimer_of_three_is_outvoted_capped_and_reported():
                 assert bool(((low <= tensors[0]) & (tensors[0] <= high)).all())
 
         liar_id = group[-1].peer_id.to_base58()
-        for defence in defences[:2]:
+        for index, defence in enumerate(defences[:2]):
             verdicts = {verdict.peer: verdict for verdict in defence.take_verdicts(timeout=10.0)}
             claim = verdicts.get(liar_id)
             assert claim is not None and claim.offence == "weight-claim" and not claim.dropped, verdicts
             assert claim.detail == "claimed 160 samples, counted 32, at most 96 plausible", claim
-            # a group of three cannot tell a sign flip, so an honest sender gets no verdict rather than a clean one
-            assert set(verdicts) == {liar_id}, verdicts
+            # a group of three cannot tell a sign flip: the other honest sender's round is clean for the norm check
+            # only, which its exclusion window for directions does not count (averaging/pipeline/exclusion.py)
+            other_honest = group[1 - index].peer_id.to_base58()
+            assert set(verdicts) == {liar_id, other_honest}, verdicts
+            assert verdicts[other_honest].offence == "" and not verdicts[other_honest].direction_judged
+            assert not claim.direction_judged
         # what each honest reducer credits the others with: the liar's capped weight, never its claim, and never
         # its own samples (a reducer whose part failed under load credits nothing: one of the two must have)
         credited = [credits_of(defence) for defence in defences[:2]]

@@ -29,7 +29,7 @@ def weighted_mean(parts, weights):
 
 def test_honest_contributions_give_exactly_the_weighted_mean_and_nothing_is_dropped():
     parts, weights = honest_parts(4), [1.0, 2.0, 3.0, 4.0]
-    result, drops, _, _ = aggregate(contributions(parts, weights), POLICY)
+    result, drops, _, _, _ = aggregate(contributions(parts, weights), POLICY)
     assert drops == []
     assert torch.allclose(result, weighted_mean(parts, weights), atol=1e-6)
 
@@ -43,14 +43,14 @@ def test_honest_contributions_give_exactly_the_weighted_mean_and_nothing_is_drop
 def test_a_malicious_contribution_is_dropped_and_the_others_are_averaged_without_it(attack, reason):
     parts = honest_parts(4)
     parts[2] = attack(parts[2])
-    result, drops, _, _ = aggregate(contributions(parts), POLICY)
+    result, drops, _, _, _ = aggregate(contributions(parts), POLICY)
     assert [(drop.sender, drop.reason) for drop in drops] == [(2, reason)]
     assert torch.allclose(result, weighted_mean([parts[0], parts[1], parts[3]], [1, 1, 1]), atol=1e-6)
 
 
 def test_a_bad_weight_is_dropped():
     parts = honest_parts(3)
-    result, drops, fully_judged, _ = aggregate(contributions(parts, [1.0, float("inf"), 1.0]), POLICY)
+    result, drops, _, fully_judged, _ = aggregate(contributions(parts, [1.0, float("inf"), 1.0]), POLICY)
     assert [(drop.sender, drop.reason) for drop in drops] == [(1, "weight")]
     assert not fully_judged  # two left: a sign flip among them could not have been told
     assert torch.allclose(result, (parts[0] + parts[2]) / 2, atol=1e-6)
@@ -58,15 +58,15 @@ def test_a_bad_weight_is_dropped():
 
 def test_two_senders_cannot_outvote_each_other_so_only_non_finite_values_are_dropped():
     honest, scaled = honest_parts(2)
-    result, drops, _, _ = aggregate(contributions([honest, scaled * 1e4]), POLICY)
+    result, drops, _, _, _ = aggregate(contributions([honest, scaled * 1e4]), POLICY)
     assert drops == []  # who of two is the liar cannot be told from their values
-    _, drops, _, _ = aggregate(contributions([honest, scaled * float("nan")]), POLICY)
+    _, drops, _, _, _ = aggregate(contributions([honest, scaled * float("nan")]), POLICY)
     assert [drop.reason for drop in drops] == ["non-finite"]
 
 
 def test_excluded_senders_are_left_out_without_a_new_offence():
     parts = honest_parts(3)
-    result, drops, _, _ = aggregate(contributions(parts), POLICY, excluded=[0])
+    result, drops, _, _, _ = aggregate(contributions(parts), POLICY, excluded=[0])
     assert [(drop.sender, drop.reason, drop.is_offence) for drop in drops] == [(0, "excluded", False)]
     assert torch.allclose(result, (parts[1] + parts[2]) / 2, atol=1e-6)
 
@@ -79,14 +79,14 @@ def test_all_contributions_dropped_is_an_error_not_a_nan_result():
 
 def test_all_zero_parts_are_kept_and_averaged_to_zero():
     zeros = [torch.zeros(10) for _ in range(4)]
-    result, drops, _, _ = aggregate(contributions(zeros, [0.0] * 4), POLICY)
+    result, drops, _, _, _ = aggregate(contributions(zeros, [0.0] * 4), POLICY)
     assert drops == [] and torch.equal(result, torch.zeros(10))
 
 
 def test_direction_check_can_be_turned_off():
     parts = honest_parts(4)
     parts[0] = -parts[0]
-    _, drops, fully_judged, _ = aggregate(contributions(parts), RobustPolicy(min_cosine=-1.0))
+    _, drops, _, fully_judged, _ = aggregate(contributions(parts), RobustPolicy(min_cosine=-1.0))
     assert drops == [] and fully_judged  # every check that is on ran
 
 
@@ -97,19 +97,20 @@ def test_robust_rules_stay_near_the_honest_mean_where_a_mean_would_not(rule):
     honest_mean = weighted_mean(parts[1:], [1] * 4)
     parts[0] = -3 * parts[0]
     policy = RobustPolicy(min_cosine=-1.0, rule=rule)
-    robust, _, _, _ = aggregate(contributions(parts), policy)
-    plain, _, _, _ = aggregate(contributions(parts), RobustPolicy(min_cosine=-1.0, rule="mean"))
+    robust, _, _, _, _ = aggregate(contributions(parts), policy)
+    plain, _, _, _, _ = aggregate(contributions(parts), RobustPolicy(min_cosine=-1.0, rule="mean"))
     assert (robust - honest_mean).norm() < 0.6 * (plain - honest_mean).norm()
 
 
 def test_trimmed_mean_of_identical_parts_is_that_part():
     part = torch.randn(50)
-    result, _, _, _ = aggregate(contributions([part.clone() for _ in range(5)]), RobustPolicy(rule="trimmed-mean"))
+    result, _, _, _, _ = aggregate(contributions([part.clone() for _ in range(5)]), RobustPolicy(rule="trimmed-mean"))
     assert torch.allclose(result, part, atol=1e-6)
 
 
-def verdicts(peer: str, offences):
-    return [Verdict(peer, f"round{index}", offence) for index, offence in enumerate(offences)]
+def verdicts(peer: str, offences, direction_judged: bool = True):
+    return [Verdict(peer, f"round{index}", offence, direction_judged=direction_judged)
+            for index, offence in enumerate(offences)]
 
 
 def test_a_peer_is_excluded_once_threshold_offences_fall_within_the_window():
@@ -129,6 +130,27 @@ def test_rare_or_transient_offences_never_exclude():
     assert book.excluded == []
 
 
+def test_an_honest_peers_rare_norm_outliers_in_groups_of_three_never_exclude_it():
+    """In groups of three only the norm check runs: its clean rounds count against its outliers. (When they did
+    not, an honest peer of a 7-peer swarm was excluded for three outliers over its rounds in groups of three.)"""
+    book = ExclusionBook(ExclusionRule(threshold=3, window=10))
+    rounds = (["norm"] + [""] * 5) * 10  # an outlier every sixth round, for sixty rounds
+    assert book.record(verdicts("honest", rounds, direction_judged=False)) == []
+    assert book.excluded == []
+
+
+def test_a_sign_flipper_is_judged_by_the_rounds_that_could_see_its_direction_only():
+    """Its rounds in groups of three are clean (no norm offence) but cannot tell a sign flip: they must not dilute
+    the direction offences of its rounds in larger groups."""
+    book = ExclusionBook(ExclusionRule(threshold=3, window=10))
+    for _ in range(2):
+        assert book.record(verdicts("flipper", ["direction"])) == []
+        assert book.record(verdicts("flipper", [""] * 6, direction_judged=False)) == []
+    excluded = book.record(verdicts("flipper", ["direction"]))
+    assert [peer for peer, _ in excluded] == ["flipper"]
+    assert "3 of its last 3 rounds that judged its direction were offences (direction" in excluded[0][1]
+
+
 def test_exclusion_with_a_cool_off_ends():
     now = [0.0]
     book = ExclusionBook(ExclusionRule(threshold=1, window=1, seconds=30.0), clock=lambda: now[0])
@@ -146,11 +168,11 @@ def test_no_direction_is_judged_where_the_contributions_agree_on_none():
     generator = torch.Generator().manual_seed(3)
     noise = [torch.randn(1000, generator=generator) for _ in range(4)]
     noise[0] = -noise[1] - noise[2]  # points away from two of the others
-    _, drops, fully_judged, _ = aggregate(contributions(noise), POLICY)
+    _, drops, _, fully_judged, _ = aggregate(contributions(noise), POLICY)
     assert drops == [] and not fully_judged  # unjudged: the senders' exclusion windows do not count it clean
     # the same vector among contributions that agree on a direction is dropped
     agreeing = honest_parts(3, seed=4)
-    _, drops, fully_judged, _ = aggregate(contributions([-agreeing[0] - agreeing[1], *agreeing]), POLICY)
+    _, drops, _, fully_judged, _ = aggregate(contributions([-agreeing[0] - agreeing[1], *agreeing]), POLICY)
     assert [(drop.sender, drop.reason) for drop in drops] == [(0, "direction")] and fully_judged
 
 

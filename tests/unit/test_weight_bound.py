@@ -41,7 +41,7 @@ def test_the_config_defaults_are_the_policys_and_the_bounds():
 
 def test_a_claim_far_above_the_bound_is_capped_used_and_an_offence():
     parts = honest_parts(3)
-    result, drops, _, capped = aggregate(contributions(parts, [16.0, 16.0, 160.0]), MEAN, bound=BOUND)
+    result, drops, _, _, capped = aggregate(contributions(parts, [16.0, 16.0, 160.0]), MEAN, bound=BOUND)
     assert drops == []  # used, not dropped
     assert capped == [WeightClaim(2, 160.0, 32.0, 96.0)]  # 2 x 48 / 3 senders; twice the target
     assert capped[0].is_offence and capped[0].reason == "weight-claim"
@@ -50,7 +50,7 @@ def test_a_claim_far_above_the_bound_is_capped_used_and_an_offence():
 
 
 def test_a_claim_just_above_the_bound_is_capped_but_no_offence():
-    _, _, _, capped = aggregate(contributions(honest_parts(3), [8.0, 8.0, 40.0]), MEAN, bound=BOUND)
+    _, _, _, _, capped = aggregate(contributions(honest_parts(3), [8.0, 8.0, 40.0]), MEAN, bound=BOUND)
     assert capped == [WeightClaim(2, 40.0, 32.0, 96.0)] and not capped[0].is_offence
 
 
@@ -60,7 +60,7 @@ def test_an_honest_peer_up_to_four_times_as_fast_as_the_others_is_never_an_offen
     # each claims its share of the target by its speed (what hivemind's progress tracker makes of honest peers)
     speeds = [1.0] * (senders - 1) + [speedup]
     claims = [TARGET * speed / sum(speeds) for speed in speeds]
-    _, drops, _, capped = aggregate(contributions(honest_parts(senders), claims), MEAN, bound=BOUND)
+    _, drops, _, _, capped = aggregate(contributions(honest_parts(senders), claims), MEAN, bound=BOUND)
     assert drops == [] and not any(claim.is_offence for claim in capped), capped
 
 
@@ -68,24 +68,24 @@ def test_an_honest_peer_up_to_four_times_as_fast_as_the_others_is_never_an_offen
 def test_an_honest_peer_that_accumulated_the_whole_target_alone_is_no_offender_in_any_group(senders):
     # it saw the others' progress late: its claim is the whole target, theirs one batch each
     claims = [float(TARGET)] + [16.0] * (senders - 1)
-    _, _, _, capped = aggregate(contributions(honest_parts(senders), claims), MEAN, bound=BOUND)
+    _, _, _, _, capped = aggregate(contributions(honest_parts(senders), claims), MEAN, bound=BOUND)
     assert not any(claim.is_offence for claim in capped), capped
 
 
 def test_only_senders_that_claim_samples_share_the_target():
     # a peer tagging along at weight 0 (downloading state) claims no share: the two others may claim 48 each
-    _, _, _, capped = aggregate(contributions(honest_parts(3), [48.0, 48.0, 0.0]), MEAN, bound=BOUND)
+    _, _, _, _, capped = aggregate(contributions(honest_parts(3), [48.0, 48.0, 0.0]), MEAN, bound=BOUND)
     assert capped == []
 
 
 def test_without_a_bound_weights_are_not_capped():
     # an averager whose weights are no sample counts (parameter rounds) carries no WeightBound
-    _, _, _, capped = aggregate(contributions(honest_parts(3), [1.0, 1.0, 1e9]), MEAN)
+    _, _, _, _, capped = aggregate(contributions(honest_parts(3), [1.0, 1.0, 1e9]), MEAN)
     assert capped == []
 
 
 def test_an_excluded_over_claimer_is_left_out_without_a_new_offence():
-    _, drops, _, capped = aggregate(contributions(honest_parts(3), [16.0, 16.0, 1e6]), MEAN, excluded=[2],
+    _, drops, _, _, capped = aggregate(contributions(honest_parts(3), [16.0, 16.0, 1e6]), MEAN, excluded=[2],
                                     bound=BOUND)
     assert [(drop.sender, drop.reason) for drop in drops] == [(2, "excluded")] and capped == []
 
@@ -107,36 +107,36 @@ def test_one_sign_flipped_over_claimer_of_three_does_not_move_the_result_outside
     honest = honest_parts(2, seed=5)
     hostile = -3 * honest[0]  # within the norm bound (3x), flipped, and claiming ten times its batch
     weights = [16.0, 16.0, 160.0]
-    result, drops, _, capped = aggregate(contributions([*honest, hostile], weights), RobustPolicy(), bound=BOUND)
+    result, drops, _, _, capped = aggregate(contributions([*honest, hostile], weights), RobustPolicy(), bound=BOUND)
     assert drops == [] and [claim.sender for claim in capped] == [2]
     low, high = torch.minimum(*honest), torch.maximum(*honest)
     assert bool(((low <= result) & (result <= high)).all())  # coordinate-wise, the median: an honest value
     assert torch.equal(result, torch.stack([*honest, hostile]).median(dim=0).values)
-    mean, _, _, _ = aggregate(contributions([*honest, hostile], weights), MEAN, bound=BOUND)
+    mean, _, _, _, _ = aggregate(contributions([*honest, hostile], weights), MEAN, bound=BOUND)
     assert not bool(((low <= mean) & (mean <= high)).all())  # what the old default made of it
 
 
 def test_the_default_rule_of_two_is_their_weighted_mean():
     parts, weights = honest_parts(2), [10.0, 30.0]
-    result, _, _, _ = aggregate(contributions(parts, weights), RobustPolicy())
+    result, _, _, _, _ = aggregate(contributions(parts, weights), RobustPolicy())
     assert torch.allclose(result, weighted_mean(parts, weights), atol=1e-6)
 
 
 def test_a_contribution_of_weight_zero_has_no_say_in_the_median():
     parts = honest_parts(2)
     stale = torch.zeros_like(parts[0])  # a peer tagging along at weight 0 while it downloads state
-    result, _, _, _ = aggregate(contributions([*parts, stale], [16.0, 16.0, 0.0]), RobustPolicy())
+    result, _, _, _, _ = aggregate(contributions([*parts, stale], [16.0, 16.0, 0.0]), RobustPolicy())
     assert torch.allclose(result, weighted_mean(parts, [16.0, 16.0]), atol=1e-6)
 
 
 @pytest.mark.parametrize("rule", ["mean", "trimmed-mean", "centered-clip"])
 def test_the_result_does_not_depend_on_the_order_contributions_arrived_in(rule):
     items = contributions(honest_parts(5, seed=7), [3.0, 1.0, 4.0, 1.0, 5.0])
-    expected, _, _, _ = aggregate(items, RobustPolicy(rule=rule), bound=BOUND)
+    expected, _, _, _, _ = aggregate(items, RobustPolicy(rule=rule), bound=BOUND)
     for seed in range(5):
         shuffled = list(items)
         random.Random(seed).shuffle(shuffled)
-        result, _, _, _ = aggregate(shuffled, RobustPolicy(rule=rule), bound=BOUND)
+        result, _, _, _, _ = aggregate(shuffled, RobustPolicy(rule=rule), bound=BOUND)
         assert torch.equal(result, expected)
 
 
@@ -145,8 +145,8 @@ def test_ties_keep_the_trimmed_mean_deterministic():
     parts = [torch.tensor([1.0]), torch.tensor([1.0]), torch.tensor([3.0]), torch.tensor([4.0])]
     weights = [1.0, 10.0, 1.0, 1.0]
     items = [Contribution(index, part, weight) for index, (part, weight) in enumerate(zip(parts, weights))]
-    first, _, _, _ = aggregate(items, RobustPolicy(min_cosine=-1.0))
-    again, _, _, _ = aggregate(list(reversed(items)), RobustPolicy(min_cosine=-1.0))
+    first, _, _, _, _ = aggregate(items, RobustPolicy(min_cosine=-1.0))
+    again, _, _, _, _ = aggregate(list(reversed(items)), RobustPolicy(min_cosine=-1.0))
     assert torch.equal(first, again)
 
 
@@ -196,7 +196,7 @@ def test_a_sender_is_capped_at_what_its_records_account_for_but_never_below_an_e
     parts = honest_parts(3)
     # it claims 30 (within twice an equal share of 48/3 = 16: no cap without evidence), its records account for 20
     items = [Contribution(0, parts[0], 16.0), Contribution(1, parts[1], 16.0), Contribution(2, parts[2], 30.0, 20.0)]
-    _, _, _, capped = aggregate(items, MEAN, bound=BOUND)
+    _, _, _, _, capped = aggregate(items, MEAN, bound=BOUND)
     assert capped == [WeightClaim(2, 30.0, 20.0, 96.0)] and not capped[0].is_offence
     # records written at start-up account for nothing yet: an equal share is still counted
     items[2] = Contribution(2, parts[2], 30.0, 0.0)
