@@ -11,9 +11,10 @@ on it, so each peer has two windows:
   gone);
 - the rounds in which its direction was judged too (four or more senders that agree on a direction): a group of
   three cannot tell a sign flip, and its rounds would otherwise fill a sign flipper's window (in groups of 3 and 4
-  under load, the sign flipper went unexcluded for 120 s). Exclusion lasts for the rest of
-the run, or `seconds` when set; it is logged once with the peer's id and counted. This peer is never judged:
-reducers leave their own contribution out of the verdicts.
+  under load, the sign flipper went unexcluded for 120 s).
+
+Exclusion lasts for the rest of the run, or `seconds` when set; it is logged once with the peer's id and counted.
+This peer is never judged: reducers leave their own contribution out of the verdicts.
 
 Peers refused for harmful updates (averaging/pipeline/update_check.py) are refused alongside, for the rest of the
 run, with no verdict on any of them.
@@ -66,7 +67,7 @@ class ExclusionBook:
             if verdict.direction_judged:
                 windows.append(("rounds that judged its direction",
                                 self._directional.setdefault(verdict.peer, deque(maxlen=self.rule.window))))
-            why = verdict.detail or verdict.offence if verdict.offence in IMMEDIATE_OFFENCES else None
+            why = (verdict.detail or verdict.offence) if verdict.offence in IMMEDIATE_OFFENCES else None
             for what, recent in windows:
                 recent.append(verdict.offence)
                 offences = [offence for offence in recent if offence]
