@@ -208,7 +208,8 @@ def _drop_outliers(kept: List[Contribution], policy: RobustPolicy,
         others = torch.cat([norms[:index], norms[index + 1:]])
         typical = float(others.quantile(0.5))  # with two others, their mean (torch's median takes the lower)
         if typical > 0 and float(norms[index]) > policy.norm_ratio * typical:
-            drops.append(Drop(item.sender, "norm", f"norm {float(norms[index]):.3g} vs median {typical:.3g}"))
+            drops.append(Drop(item.sender, "norm", f"norm {float(norms[index]):.3g} vs median {typical:.3g} "
+                                                   f"in a part of {item.part.numel()} values"))
         else:
             survivors.append(item)
     if _among_others(own, [drop.sender for drop in drops]):
