@@ -8,6 +8,9 @@
   which a step may change while they are being sent (and it counts the new epoch before the step
   runs). Here a step and the snapshot of what is served hold one lock (`serving_lock`), and the
   snapshot is a copy; `served_digest` digests the same state under the same lock.
+- While a round that its state waits for is in flight (DiLoCo's overlap: the peer has entered the
+  epoch, its outer step has not landed), a download waits for it to land, up to `landing_wait_seconds`,
+  then gets the whole new state; past that, the downloader moves on to the next donor.
 - ReportingStateAverager also reports every parameter-averaging round: local-sgd's only rounds, and
   sync's rounds that undo drift (a peer left out of its group's last one is apart from it). With grouped
   rounds, it chooses each round's group before the round starts (averaging/adapter/epoch_keys.py).
@@ -16,14 +19,18 @@ Both override upstream methods, fingerprinted in averaging/adapter/upstream.py.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import multiprocessing as mp
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import AsyncIterator, Callable, List, Optional
 
 import hivemind
 import torch
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 
 from averaging.adapter.epoch_keys import ChosenGroup
 from averaging.api import RoundReport
@@ -42,6 +49,10 @@ state first, in CI, and never met the hostile one)."""
 
 class StateDownloadFailed(RuntimeError):
     """No peer sent a usable state."""
+
+
+class StateInFlight(RuntimeError):
+    """The state a peer was asked for waits for a round in flight that did not land in time."""
 
 
 class DownloadRejected(StateDownloadFailed):
@@ -70,12 +81,42 @@ class GuardedStateAverager(TrainingStateAverager, _DownloadRecorder):
     consistent copy of its state.
 
     :param serve: what it serves instead of its state's tensors (tests' hostile donor; None: its state)
+    :param landing_wait_seconds: how long a download waits for a round in flight to land (`state_in_flight`); keep
+      it below the downloaders' next_chunk_timeout, which bounds their wait for the first part
     """
 
-    def __init__(self, *, serve: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None, **kwargs):
+    def __init__(self, *, serve: Optional[Callable[[List[torch.Tensor]], List[torch.Tensor]]] = None,
+                 landing_wait_seconds: float = 0.0, **kwargs):
         self.serving_lock = threading.RLock()
         self._serve = serve
+        self.landing_wait_seconds = landing_wait_seconds
+        self._whole = mp.Event()  # created before the averager process is forked: both processes see it
+        self._whole.set()
         super().__init__(**kwargs)
+
+    def state_in_flight(self) -> None:
+        """Its state now waits for a round in flight: serve nothing until `state_landed` (call under serving_lock,
+        with the change of epoch that the round's launch makes)."""
+        self._whole.clear()
+
+    def state_landed(self) -> None:
+        """The round in flight landed, or was given up: its state is whole again."""
+        self._whole.set()
+
+    def shutdown(self) -> None:
+        self.state_landed()  # a download waiting for a landing that will not come ends now
+        super().shutdown()
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:  # hivemind's servicer reads these annotations
+        # in the averager process: wait here, not in the host's one fetching thread, and refuse quietly as
+        # upstream does when sharing is off (the downloader moves on to its next donor)
+        if not self._whole.is_set() and not await asyncio.get_running_loop().run_in_executor(
+                None, self._whole.wait, self.landing_wait_seconds):
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
 
     @property
     def state_sharing_priority(self) -> float:
@@ -94,9 +135,16 @@ class GuardedStateAverager(TrainingStateAverager, _DownloadRecorder):
             return super().step(*args, **kwargs)
 
     def get_current_state(self):
-        with self.serving_lock:
-            metadata, tensors, infos = super().get_current_state()
-            tensors = [tensor.clone() for tensor in tensors]
+        give_up_at = time.monotonic() + self.landing_wait_seconds
+        while True:
+            with self.serving_lock:
+                if self._whole.is_set():
+                    metadata, tensors, infos = super().get_current_state()
+                    tensors = [tensor.clone() for tensor in tensors]
+                    break
+            # a round was launched after the averager process saw the state whole
+            if not self._whole.wait(max(0.0, give_up_at - time.monotonic())):
+                raise StateInFlight("this peer's round in flight did not land in time; ask another donor")
         return metadata, (self._serve(tensors) if self._serve is not None else tensors), infos
 
     def served_digest(self, select: slice) -> str:

@@ -18,9 +18,12 @@ lands (checked before every batch; at the latest at the end of round t+1, or aft
 timeout), steps 3 and 4 happen one round late: the outer step moves the round-start params, and
 the model moves by as much as it would have, keeping the progress it made meanwhile
 (model += new start - old start + delta_t). Every peer of the round applies the same update, so
-peers stay equal up to their own progress since the launch, as without overlap. A peer serves
-no state while a round is in flight (a newcomer would get a start that lacks that round), and
-landing it is what wait_for_background_updates waits for (before a checkpoint, and on leaving).
+peers stay equal up to their own progress since the launch, as without overlap. A peer that
+is asked for its state while a round is in flight serves it once the round has landed (a newcomer
+would otherwise get a start that lacks that round), and landing it is what
+wait_for_background_updates waits for (before a checkpoint, and on leaving). Its rounds run once the
+epoch they lead to has begun (`averages_after_epoch`): a peer that launched a round is at its epoch
+while the round still looks for its group.
 
 H (--diloco-inner-steps) is a per-peer upper bound, not the round length: the round length
 comes from the target batch (each peer takes about target / (peers x batch) inner steps). A
@@ -67,7 +70,7 @@ from averaging.pipeline.round_pipeline import including
 from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.membership import SharesState, join_or_terminate, step_scheduler_to
 from averaging.strategies.outer import OuterRound, collect_round, launch_round, outer_nesterov_step_
-from averaging.strategies.parts import StrategyParts
+from averaging.strategies.parts import StrategyParts, next_chunk_timeout
 from averaging.strategies.round_length import RoundLengthKeeper
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
 from averaging.swarm import progress
@@ -122,8 +125,11 @@ class DiLoCoOptimizer(SharesState):
                                               excluded=self.rounds.excluded_peers,
                                               ttl_seconds=self.tracker.metadata_expiration,
                                               subkey=progress.owner(self.signing_key))
+        download_chunk_timeout = next_chunk_timeout(matchmaking_floor, allreduce_timeout)
         self.state_averager = GuardedStateAverager(
             serve=self.rounds.hooks.serve_state,
+            landing_wait_seconds=download_chunk_timeout / 2,  # a downloader waits that long for the first part
+            next_chunk_timeout=download_chunk_timeout,
             dht=dht,
             prefix=keys.diloco_state,
             optimizer=with_fresh_state(replica.optimizer_factory),
@@ -173,6 +179,10 @@ class DiLoCoOptimizer(SharesState):
     @property
     def deadlines(self) -> Deadlines:
         return self._deadlines
+
+    @property
+    def averages_after_epoch(self) -> bool:
+        return self.config.diloco_overlap
 
     @property
     def donor_averagers(self) -> Tuple:
@@ -311,8 +321,6 @@ class DiLoCoOptimizer(SharesState):
                                 for g, p in zip(self.global_params, self.main_parameters)]
             if self.config.diloco_overlap:
                 self._flight = self._launch(pseudo_grads)  # lands during the next round
-                if not self.client_mode:
-                    self.state_averager.allow_state_sharing = False
             else:
                 with self.rounds.phase("averaging"):
                     report, averaged = self._collect(self._launch(pseudo_grads))
@@ -322,6 +330,8 @@ class DiLoCoOptimizer(SharesState):
                         outer_nesterov_step_(self.global_params, self.outer_momentum, averaged,
                                              self.config.outer_lr, self.config.outer_momentum)
                     self._load_round_start_into_model()
+                if self._flight is not None:  # the new epoch's state is whole once the round lands
+                    self.state_averager.state_in_flight()
                 self.state_averager.local_epoch = max(self.local_epoch + 1, self.tracker.global_epoch)
                 step_scheduler_to(self.scheduler, self.local_epoch)
                 self._start_next_round(trained=True)
@@ -346,16 +356,14 @@ class DiLoCoOptimizer(SharesState):
             for param, start, old_start, delta in zip(self.main_parameters, self.global_params, before,
                                                       flight.pseudo_grads):
                 param.add_((start - old_start + delta).to(device=param.device, dtype=param.dtype))
-        if not self.client_mode:
-            self.state_averager.allow_state_sharing = True
+            self.state_averager.state_landed()
         self._round_finished(report)
 
     def _abandon_flight(self) -> None:
         flight, self._flight = self._flight, None
         if flight is not None:
             flight.cancel()
-        if flight is not None and not self.client_mode:
-            self.state_averager.allow_state_sharing = True
+            self.state_averager.state_landed()
 
     def _launch(self, pseudo_grads: List[torch.Tensor]) -> OuterRound:
         # weighted like the sync strategy's gradients: by the samples this peer took inner steps on, per target batch

@@ -33,3 +33,13 @@ class StrategyParts:
     are sample counts (gradients, pseudo-gradients), and no other (parameter rounds weigh each peer 1)."""
     agreement: Optional[StateAgreement] = None
     """State digests, where the strategy's peers end each epoch with one state (its builder starts it)."""
+
+
+def next_chunk_timeout(matchmaking_floor: float, allreduce_timeout: float) -> float:
+    """How long a peer waits for the next part of an all-reduce or of a state download.
+
+    Upstream waits one matchmaking window for a peer's next chunk, then averages without it: a peer on a busy CPU
+    then silently keeps its own values for part of the model and drifts from the swarm (seen: "received 75% of
+    input tensors" with a 1 s window). A quarter of the round's timeout still drops a stalled peer well within the
+    round."""
+    return max(matchmaking_floor, allreduce_timeout / 4)

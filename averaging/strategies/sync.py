@@ -49,7 +49,7 @@ from averaging.pipeline import completeness
 from averaging.pipeline.guards import all_finite
 from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.membership import SharesState, join_or_terminate
-from averaging.strategies.parts import StrategyParts
+from averaging.strategies.parts import StrategyParts, next_chunk_timeout
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
 from averaging.swarm import progress
 from averaging.swarm.groups import RecentPeers, round_group
@@ -280,11 +280,6 @@ class SyncOptimizer(SharesState, HookedOptimizer):
 
 def build_sync(config: AveragingConfig, replica: Replica, parts: StrategyParts, **strategy_args) -> SyncOptimizer:
     """sync: gradients averaged every epoch, the same update everywhere (`strategy_args`: for the variants below)."""
-    # upstream waits one matchmaking window for a peer's next chunk, then averages without it: a peer on a
-    # busy CPU then silently keeps its own values for part of the model and drifts from the swarm (seen:
-    # "received 75% of input tensors" with a 1 s window). A quarter of the round's timeout still drops a
-    # stalled peer well within the round.
-    next_chunk_timeout = max(parts.matchmaking_floor, parts.allreduce_timeout / 4)
     signing_key = progress.signing_key(parts.tracker_opts)
     return SyncOptimizer(
         keys=replica.keys,
@@ -301,7 +296,7 @@ def build_sync(config: AveragingConfig, replica: Replica, parts: StrategyParts, 
         batch_size_per_step=replica.batch_size,
         matchmaking_time=parts.matchmaking_floor,
         averaging_timeout=parts.allreduce_timeout,
-        next_chunk_timeout=next_chunk_timeout,
+        next_chunk_timeout=next_chunk_timeout(parts.matchmaking_floor, parts.allreduce_timeout),
         load_state_timeout=config.load_state_timeout_seconds,
         average_state_every=config.average_state_every,
         average_opt_statistics=tuple(config.average_opt_statistics),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import List, Optional
 
 import hivemind
@@ -284,6 +285,7 @@ def test_with_overlap_the_outer_update_lands_one_round_late_and_the_model_keeps_
             models.append(model)
         wait_until(lambda: [peer.announce() for peer in peers] and all(peer.swarm_view().peers == 2 for peer in peers),
                    60, interval=1.0, message="both trackers to see both peers")
+        assert all(peer.averages_after_epoch for peer in peers)  # a launched round still meets latecomers
         reference = start.clone().requires_grad_()
         sgd = torch.optim.SGD([reference], lr=0.5, momentum=0.9, nesterov=True)
 
@@ -295,20 +297,36 @@ def test_with_overlap_the_outer_update_lands_one_round_late_and_the_model_keeps_
         for model, peer, delta in zip(models, peers, deltas):  # launched, not applied: training went on from here
             assert torch.equal(flat(model), start - delta)
             assert torch.equal(torch.cat([p.flatten() for p in peer.global_params]), start)
-            assert not peer.state_averager.allow_state_sharing  # a newcomer would get a start without this round
+
+        # a newcomer asking now is served once the round has landed, not the start that lacks it
+        newcomer_dht = hivemind.DHT(start=True, host_maddrs=LOCALHOST, initial_peers=dhts[0].get_visible_maddrs())
+        dhts.append(newcomer_dht)
+        newcomer_model = torch.nn.Linear(1, 1)
+        move(newcomer_model, torch.zeros(2))
+        newcomer = make_diloco(config, newcomer_dht, newcomer_model)
+        peers.append(newcomer)
+        download = threading.Thread(target=newcomer.load_state_from_peers, daemon=True)
+        download.start()
+        time.sleep(1.0)
+        assert download.is_alive()  # the donors wait for their round to land
 
         progress = (torch.tensor([0.01, 0.02]), torch.tensor([-0.03, 0.0]))  # round 2's inner steps so far
         for model, delta, made in zip(models, deltas, progress):
             move(model, start - delta + made)
-        run_in_threads(*(lambda peer=peer: peer.wait_for_background_updates() for peer in peers))
+        run_in_threads(*(lambda peer=peer: peer.wait_for_background_updates() for peer in peers[:2]))
         reference.grad = (deltas[0] + deltas[1]) / 2
         sgd.step()
         landed = reference.detach().clone()
         for model, peer, made in zip(models, peers, progress):
             assert torch.allclose(torch.cat([p.flatten() for p in peer.global_params]), landed, atol=1e-6)
             assert torch.allclose(flat(model), landed + made, atol=1e-6)  # the update, and its own progress
-            assert peer.state_averager.allow_state_sharing
         assert [r.outcome for r in reports] == ["ok", "ok"]
+        download.join(timeout=30)
+        assert not download.is_alive()
+        assert newcomer.local_epoch == 1 and newcomer.rounds.downloaded_at_epoch == 1
+        assert torch.allclose(torch.cat([p.flatten() for p in newcomer.global_params]), landed, atol=1e-6)
+        assert torch.allclose(flat(newcomer_model), landed, atol=1e-6)  # the swarm's round start
+        peers.pop().shutdown()  # round 2 is the two peers' own
 
         # round 2 is measured from the landed start: its pseudo-gradient is minus each peer's progress
         run_in_threads(*(lambda peer=peer: peer.step(batch_size=4) for peer in peers))
