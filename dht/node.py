@@ -18,15 +18,25 @@ from typing import Callable, List, Optional, Sequence
 import hivemind
 import psutil
 from hivemind.dht.protocol import MAX_DHT_TIME_DISCREPANCY_SECONDS
+from hivemind.dht.validation import CompositeValidator
 
 from dht.config import DHTConfig
 from dht.identity import IdentityError, IdentityInUse, ensure_identity, is_private, lock_identity
 from dht.sockets import use_private_socket_dir
+from dht.verdicts import RememberingValidator
 
 logger = logging.getLogger(__name__)
 
 
 READY_POLL_SECONDS = 0.5
+
+
+def remember_valid_records(dht: hivemind.DHT, record_validators: Sequence) -> None:
+    """Give a DHT that has not started yet a validator that checks each valid record once (dht/verdicts.py)."""
+    if not isinstance(getattr(dht, "_record_validator", None), CompositeValidator) or dht.is_alive():
+        raise RuntimeError("hivemind.DHT no longer keeps its validators in _record_validator before it starts: "
+                           "see dht/verdicts.py")
+    dht._record_validator = RememberingValidator(record_validators)
 
 
 class DHTStartError(RuntimeError):
@@ -85,6 +95,7 @@ def start_dht(
             identity_path=str(identity) if identity is not None else None,
             start=False,
         )
+        remember_valid_records(dht, record_validators)
         try:
             _wait_until_ready(dht, config.startup_timeout_seconds, cancelled)
             return dht

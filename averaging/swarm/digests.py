@@ -145,6 +145,17 @@ class DigestBook:
 
     # --- the watch thread --------------------------------------------------------------------
 
+    def compared_with_all(self, expected_peers: int) -> bool:
+        """Whether this peer's newest digest has been compared with every peer it counts: until it records another,
+        a read of the swarm's digests can tell it nothing new (each read costs every DHT node that answers a check
+        of every peer's signed record)."""
+        last = self._last
+        with self._lock:
+            newest = max(self._own, default=None)
+            own = self._own.get(newest)
+        return (last is not None and last.epoch == newest and last.own == own
+                and last.peers >= max(2, expected_peers))
+
     def check(self, expected_peers: int) -> Optional[StateCheck]:
         """Read the swarm's digests and compare at this peer's newest epoch that can be compared now."""
         self._swarm = by_peer(self.read_records())
@@ -205,6 +216,9 @@ class DigestBook:
                        sleep: Callable[[float], None] = time.sleep) -> Optional[str]:
         """Why a state downloaded from `donor` at `epoch` with `digest` must be refused, or None to accept it."""
         published = self._published(donor, epoch)
+        if published != digest:  # the watch's last read may predate the donor's record (it reads only when needed)
+            self._swarm = by_peer(self.read_records())
+            published = self._published(donor, epoch)
         waited = 0.0
         # a donor that has just downloaded at this epoch serves a state its record shows a moment later: an honest
         # donor's record comes to show what it served, a liar's never does (CI: honest donors excluded without this)
@@ -256,7 +270,9 @@ class DigestWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.period_seconds):
             try:
-                self.book.check(self.expected_peers())
+                expected_peers = self.expected_peers()
+                if not self.book.compared_with_all(expected_peers):
+                    self.book.check(expected_peers)
             except Exception as e:  # a DHT read that failed: the next one may not
                 logger.debug(f"could not check the swarm's state digests: {e!r}")
 

@@ -17,7 +17,8 @@ from dht.config import DHTConfig
 from dht.identity import IdentityInUse, ensure_identity
 from dht.keys import SwarmKeys
 from dht.node import DHTStartError, clock_offset_from, quiet_dht_logs, shutdown_dht, start_dht, visible_maddrs
-from dht.records import record_validators
+from dht.records import read_by_owner, record_validators, store_own
+from dht.verdicts import RememberingValidator
 from peer.config import load_config
 from peer.testing import session_processes
 from tests.peers import REPO_ROOT, wait_until
@@ -175,3 +176,15 @@ def test_a_quieted_dht_process_prints_nothing_on_the_stderr_it_shares_with_the_p
     quiet_dht_logs(dht)
     dht.run_coroutine(_say_on_stderr)
     assert "the DHT process speaks" not in capfd.readouterr().err
+
+
+@pytest.mark.timeout(90)
+def test_a_started_dht_remembers_valid_records_and_still_stores_and_reads_signed_ones(dhts):
+    first = dhts(DHTConfig(**FAST))
+    second = dhts(DHTConfig(initial_peers=visible_maddrs(first), **FAST))
+    assert isinstance(first._record_validator, RememberingValidator)
+    key = SwarmKeys.for_run("test").digests
+    value = {"peer_id": "QmWriter", "digests": {"3": "ab" * 32}}
+    assert store_own(second, key, value, ttl_seconds=30)
+    for _ in range(3):  # read again and again: every copy valid, whether checked or remembered
+        assert list(read_by_owner(first, key).values()) == [value]

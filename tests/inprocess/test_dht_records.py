@@ -28,6 +28,7 @@ from dht.records import (
     read_peer_infos,
     record_validators,
 )
+from dht.verdicts import RememberingValidator
 
 RUN_ID = "records-test"
 
@@ -50,8 +51,8 @@ class AlwaysSigns(RSASignatureValidator):
         return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", signature)
 
 
-def chain(signer: RSASignatureValidator) -> CompositeValidator:
-    return CompositeValidator(
+def chain(signer: RSASignatureValidator, kind=CompositeValidator) -> CompositeValidator:
+    return kind(
         [SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID), RecordLimitsValidator([peers_key(RUN_ID)]), signer]
     )
 
@@ -170,3 +171,56 @@ def test_validation_loss_is_optional_and_finite(victim):
     for loss in (float("nan"), float("inf")):  # the page charts it: a diverged peer publishes None instead
         diverged = {**peer_info(), "val_loss": loss}
         assert not validators.validate(signed_record(victim, victim.local_public_key, diverged))
+
+
+class Counting(RecordLimitsValidator):
+    """Counts the records it is asked to check."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checked = 0
+
+    def validate(self, record: DHTRecord) -> bool:
+        self.checked += 1
+        return super().validate(record)
+
+
+def test_a_remembering_chain_checks_a_valid_record_once_and_rejects_what_the_plain_one_does(victim, forger):
+    remembering = chain(RSASignatureValidator(RSAPrivateKey()), kind=RememberingValidator)
+    counting = Counting([peers_key(RUN_ID)])
+    remembering.extend([counting])
+    genuine = signed_record(victim, victim.local_public_key, peer_info())
+    assert remembering.validate(genuine) and remembering.validate(genuine)
+    assert counting.checked == 1
+    tampered = dataclasses.replace(genuine, value=genuine.value.replace(b"cpu", b"gpu"))
+    assert tampered.value != genuine.value
+    refreshed = signed_record(victim, victim.local_public_key, peer_info(), genuine.expiration_time + 1)
+    forged = signed_record(forger, victim.local_public_key, peer_info(peer_id="QmForged"))
+    malformed = signed_record(victim, victim.local_public_key, {**peer_info(), "admin": True})
+    for _ in range(2):  # nothing about them is remembered
+        assert not remembering.validate(tampered)
+        assert not remembering.validate(forged)
+        assert not remembering.validate(malformed)
+    assert remembering.validate(refreshed)  # a record that changed in any field is checked anew
+    assert counting.checked == 8
+
+
+def test_a_far_future_record_rejected_once_is_accepted_once_within_the_limit(victim):
+    remembering = chain(victim, kind=RememberingValidator)
+    record = signed_record(victim, victim.local_public_key, peer_info(), get_dht_time() + MAX_TTL_SECONDS + 600)
+    assert not remembering.validate(record)
+    limits = next(check for check in remembering._validators if isinstance(check, RecordLimitsValidator))
+    limits.max_ttl_seconds += 3600  # as if its expiration had come within the limit as time passed
+    assert remembering.validate(record)
+
+
+def test_the_memory_is_bounded_and_emptied_when_validators_are_added(victim):
+    counting = Counting([peers_key(RUN_ID)])
+    remembering = RememberingValidator([counting, victim], capacity=2)
+    records = [signed_record(victim, victim.local_public_key, peer_info(), get_dht_time() + 15 + i) for i in range(3)]
+    for record in records:
+        assert remembering.validate(record)
+    assert remembering.validate(records[2]) and counting.checked == 3  # the newest is remembered
+    assert remembering.validate(records[0]) and counting.checked == 4  # the oldest was forgotten
+    remembering.extend([SchemaValidator(SwarmRecordsSchema, prefix=RUN_ID)])
+    assert remembering.validate(records[0]) and counting.checked == 5

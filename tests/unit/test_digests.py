@@ -89,6 +89,27 @@ def test_a_peer_compares_once_every_peer_published_or_the_epoch_settled():
     assert check.others == {B}
 
 
+
+def test_the_watch_reads_again_only_while_the_newest_digest_has_not_met_every_peer():
+    clock = FakeClock()
+    swarm = {B: {5: X}}
+    book, _, _ = book_with(swarm, clock=clock)
+    assert not book.compared_with_all(expected_peers=2)  # nothing recorded yet
+    book.record(5, X)
+    assert not book.compared_with_all(expected_peers=3)
+    clock.now += SETTLE_SECONDS
+    book.check(expected_peers=3)  # settled with two of three: C may still publish
+    assert not book.compared_with_all(expected_peers=3)
+    swarm[C] = {5: X}
+    book.check(expected_peers=3)
+    assert book.compared_with_all(expected_peers=3)  # nothing new until this peer records another digest
+    assert not book.compared_with_all(expected_peers=4)  # or the swarm grows
+    book.record(5, Y, downloaded=True)  # a state that replaced its own at the same epoch
+    assert not book.compared_with_all(expected_peers=3)
+    book.check(expected_peers=3)
+    book.record(6, Y)
+    assert not book.compared_with_all(expected_peers=3)
+
 def test_a_peer_apart_from_the_majority_downloads_and_is_no_longer_apart_once_it_has():
     swarm = {B: {5: Y, 6: Y}, C: {5: Y}}
     book, checks, refused = book_with(swarm)
