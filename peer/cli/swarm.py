@@ -4,7 +4,7 @@ Built on the asyncio harness (peer/testing/) that the tests and benchmarks use. 
 swarm; the others are started once its events file says it is ready, and join it. Each peer is a
 `peer start` subprocess in its own session with its own checkpoint subdirectory, metrics port, events
 file and summary file; its output is prefixed with its name. With `--gpus`, one peer per GPU, each on
-its own (`--device cuda:N`); on the CPU, each peer on its share of the cores (`core_shares`). A signal
+its own (`--device cuda:N`); on the CPU, each with torch threads for its share of the cores. A signal
 to this process is passed on to every peer (a second one kills them), and every peer is told to stop
 (SIGTERM, via the parent-death signal) if this process dies.
 Exits non-zero if any peer failed.
@@ -15,9 +15,8 @@ import asyncio
 import math
 import os
 import signal
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import click
 
@@ -29,52 +28,21 @@ from peer.telemetry.events import Ready
 BOOTSTRAP_TIMEOUT_SECONDS = 180.0
 
 
-@dataclass(frozen=True)
-class CoreShare:
-    """The cores one peer of `peer swarm` runs on (its DHT, p2pd and averagers too), and its torch threads."""
-
-    cpus: FrozenSet[int]
-    threads: int
-
-    def env(self) -> Dict[str, str]:
-        """torch's threads, unless the user chose them: one per core of the share, so that peers sharing a core
-        do not also share a spinning thread pool (16 peers with 2 threads each on 2 cores ran at a crawl)."""
-        if "OMP_NUM_THREADS" in os.environ:
-            return {}
-        return {"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
+def threads_per_peer(num_peers: int, cores: int) -> Dict[str, str]:
+    """torch's threads for each of `num_peers` peers on `cores` cores, unless the user chose them: a share of the
+    cores each, at least one. torch's default is a thread per core in every process, and threads that outnumber
+    the cores wait on each other: 16 processes training on 2 cores made 143 steps in 15 s with 2 threads each,
+    1618 with one."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    threads = str(max(1, cores // num_peers))
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
 
-def core_shares(num_peers: int, cpus: Sequence[int]) -> List[CoreShare]:
-    """Each peer's share of the cores this process may use: with no more peers than cores, disjoint sets of
-    cores (the remainder to the first peers); with more, one core each, dealt in turn."""
-    cpus = sorted(cpus)
-    if num_peers > len(cpus):
-        return [CoreShare(frozenset({cpus[index % len(cpus)]}), 1) for index in range(num_peers)]
-    per_peer, remainder = divmod(len(cpus), num_peers)
-    shares, first = [], 0
-    for index in range(num_peers):
-        size = per_peer + (index < remainder)
-        shares.append(CoreShare(frozenset(cpus[first:first + size]), size))
-        first += size
-    return shares
-
-
-def describe_shares(shares: Sequence[CoreShare]) -> str:
-    """One line for the swarm's output: which cores the first peers run on, and their torch threads."""
-    cores = ", ".join(f"peer-{index} on {','.join(map(str, sorted(share.cpus)))}"
-                      for index, share in enumerate(shares[:4]))
-    if len(shares) > 4:
-        cores += f", ... ({len(shares)} peers)"
-    threads = ("as OMP_NUM_THREADS says" if "OMP_NUM_THREADS" in os.environ
-               else "/".join(map(str, sorted({share.threads for share in shares}))) + " each")
-    return f"each peer on its share of the cores: {cores}; torch threads: {threads}"
-
-
-def local_peer(config: PeerConfig, index: int, args: List[str], share: Optional[CoreShare] = None) -> Peer:
+def local_peer(config: PeerConfig, index: int, args: List[str], env: Dict[str, str]) -> Peer:
     name = f"peer-{index}"
-    return Peer(name, "start", args, config.checkpoint.checkpoint_dir, output=_prefixed(name),
-                env=share.env() if share else None, events_path=events_path(config, index), die_with_parent=True,
-                cpus=share.cpus if share else None).start()
+    return Peer(name, "start", args, config.checkpoint.checkpoint_dir, output=_prefixed(name), env=env,
+                events_path=events_path(config, index), die_with_parent=True).start()
 
 
 def _prefixed(name: str) -> Callable[[str], None]:
@@ -161,11 +129,8 @@ async def _run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Opti
         config.checkpoint.checkpoint_dir.mkdir(parents=True, exist_ok=True)  # where the events files go by default
     except OSError:
         pass  # peer 0 refuses the directory in one line, and exits
-    shares: Sequence[Optional[CoreShare]] = [None] * num_peers
-    if not gpus:  # a GPU peer's cores feed its GPU: it keeps the machine's
-        shares = core_shares(num_peers, list(os.sched_getaffinity(0)))
-        click.echo(f"[swarm] {describe_shares(shares)}", err=True)
-    first = local_peer(config, 0, peer_args(config, base_args, 0, summary_dir, gpus), shares[0])
+    env = {} if gpus else threads_per_peer(num_peers, len(os.sched_getaffinity(0)))  # a GPU peer's threads feed it
+    first = local_peer(config, 0, peer_args(config, base_args, 0, summary_dir, gpus), env)
     peers.append(first)
     if config.dht.initial_peers:
         join = ["--initial-peers", ",".join(config.dht.initial_peers)]  # joining an existing swarm: everyone uses it
@@ -182,8 +147,7 @@ async def _run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Opti
     for index in range(1, num_peers):
         if stopping.is_set():
             break
-        peers.append(local_peer(config, index, peer_args(config, base_args, index, summary_dir, gpus) + join,
-                                shares[index]))
+        peers.append(local_peer(config, index, peer_args(config, base_args, index, summary_dir, gpus) + join, env))
     return await _wait_all(peers)
 
 

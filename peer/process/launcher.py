@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Deque, Dict, FrozenSet, List, Optional, Sequence, Type, TypeVar
+from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Sequence, Type, TypeVar
 
 import psutil
 
@@ -41,20 +41,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _before_exec(die_with_parent: bool, cpus: Optional[FrozenSet[int]]) -> Optional[Callable[[], None]]:
-    """What the child runs before exec: the parent-death signal, and the cores it (and every process it starts)
-    may run on."""
-    if not die_with_parent and cpus is None:
-        return None
-
-    def prepare() -> None:
-        if die_with_parent:
-            _die_with_parent()
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
-    return prepare
-
-
 class PeerFailed(AssertionError):
     """A peer exited, or did not do in time, what a test awaited; the message ends with its log's tail."""
 
@@ -65,13 +51,12 @@ class Peer:
     def __init__(self, name: str, command: str, args: Sequence[str], workdir: Path,
                  env: Optional[Dict[str, str]] = None, prefix: Sequence[str] = (), *, events: bool = True,
                  output: Optional[Callable[[str], None]] = None, events_path: Optional[Path] = None,
-                 die_with_parent: bool = False, cpus: Optional[FrozenSet[int]] = None):
+                 die_with_parent: bool = False):
         """
         :param prefix: what the command runs under, such as `ip netns exec NAME` or `taskset -c 0`
         :param events: pass --events (`peer start` and `peer bootstrap` write them; other commands do not)
         :param output: called with each line the process prints, instead of writing <workdir>/<name>.log
         :param die_with_parent: the process gets SIGTERM (a graceful stop) if this one dies
-        :param cpus: the cores it runs on (None: those of this process)
         """
         self.name, self.command, self.args = name, command, list(args)
         self.workdir, self.prefix = workdir, list(prefix)
@@ -79,7 +64,7 @@ class Peer:
         self.events_path = (events_path or workdir / f"{name}.events.jsonl") if events else None
         self.log_path = workdir / f"{name}.log"
         self.checkpoint_dir = workdir / name
-        self.output, self.die_with_parent, self.cpus = output, die_with_parent, cpus
+        self.output, self.die_with_parent = output, die_with_parent
         self.process: Optional[subprocess.Popen] = None
         self._left_behind: List[psutil.Process] = []  # its session's other processes when its exit was collected
         self._exit_seen = False
@@ -100,7 +85,7 @@ class Peer:
         if self.events_path is not None:
             command += ["--events", str(self.events_path)]
         options = dict(stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd(), env=self.env,
-                       start_new_session=True, preexec_fn=_before_exec(self.die_with_parent, self.cpus))
+                       start_new_session=True, preexec_fn=_die_with_parent if self.die_with_parent else None)
         if self.output is None:
             with open(self.log_path, "a") as log:
                 self.process = subprocess.Popen(command, stdout=log, **options)
