@@ -37,7 +37,8 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_AVERAGER}.run": ("56590878daa9e5a0", "averaging/adapter/allreduce.py"),
     f"{_AVERAGER}.run_in_background": ("028dd8b1e9b723d8", "averaging/adapter/allreduce.py"),
     f"{_AVERAGER}.rpc_join_group": ("a0c1dec1f5165713", "averaging/adapter/refusals.py"),
-    f"{_AVERAGER}.rpc_download_state": ("fd2f6f19e7d247af", "averaging/adapter/refusals.py"),
+    f"{_AVERAGER}.rpc_download_state": ("fd2f6f19e7d247af",
+                                        "averaging/adapter/refusals.py, averaging/adapter/state_averager.py"),
     f"{_AVERAGER}._load_state_from_peers": ("fe7b419d01ced5fe", "averaging/adapter/refusals.py"),
     f"{_MATCHMAKING}._request_join_group": ("df823040a94d1c1d", "averaging/adapter/refusals.py"),
     f"{_MATCHMAKING}.looking_for_group": ("a7f0ac4565e90cc9", "averaging/adapter/epoch_keys.py"),
@@ -100,6 +101,10 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_STATE_AVERAGER}.schedule_step": ("0bfdb7a54a74e4ee", "averaging/adapter/state_averager.py"),
     f"{_STATE_AVERAGER}.get_current_state": ("d2ee431a0a4b4074", "averaging/adapter/state_averager.py"),
     f"{_AVERAGER}.load_state_from_peers": ("973fae40a3d1e16f", "averaging/adapter/state_averager.py"),
+    f"{_AVERAGER}.shutdown": ("0e5ce71e3b8ac3cc", "averaging/adapter/state_averager.py"),
+    # dht/node.py gives a DHT that has not started its own validator (dht/verdicts.py): run and add_validators use it
+    "hivemind.dht.dht.DHT.run": ("bd3a376f042d386e", "dht/node.py"),
+    "hivemind.dht.dht.DHT.add_validators": ("fecf1863c55f0fd4", "dht/node.py"),
     f"{_TRACKER}._parse_swarm_progress_data": ("1b5ad87469d3c13f", "averaging/adapter/progress_filter.py"),
     f"{_TRACKER}.report_local_progress": ("9bf530c8bc98f445", "averaging/adapter/pacing.py"),
     # read or driven from outside
