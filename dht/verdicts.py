@@ -2,8 +2,8 @@
 
 A peer reads the swarm's dictionaries (progress, digests, peer infos, clock records: one signed subkey per peer)
 every second or few, and each read gathers the same dictionary from several nodes. hivemind checks every subkey of
-every copy again: an RSA signature and a pydantic schema each. With 16 peers on one 2-core machine, that work made
-the DHT processes 68% of the swarm's CPU time, more than three times the training itself, and the swarm stalled.
+every copy again: an RSA signature and a pydantic schema each. With 16 peers on one 2-core machine, the DHT
+processes took two thirds of the swarm's CPU time, five times what training took, and the swarm stalled.
 Most of those records are ones this node has already checked: the same bytes, from another node or an earlier read.
 
 Only valid verdicts are remembered: a record's validity can only change from invalid to valid as time passes (a

@@ -147,8 +147,8 @@ class DigestBook:
 
     def compared_with_all(self, expected_peers: int) -> bool:
         """Whether this peer's newest digest has been compared with every peer it counts: until it records another,
-        a read of the swarm's digests can tell it nothing new (each read costs every DHT node that answers a check
-        of every peer's signed record)."""
+        a read of the swarm's digests can tell it nothing new (each read gathers every peer's signed record from
+        several DHT nodes)."""
         last = self._last
         with self._lock:
             newest = max(self._own, default=None)
