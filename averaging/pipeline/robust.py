@@ -10,7 +10,8 @@ sender's contribution to that part, with its weight. Instead of averaging whatev
    own believed progress records account for (averaging/pipeline/evidence.py; never below one equal share): a
    sender cannot buy itself the round by claiming samples it never trained on. The capped contribution is still
    used; a claim above OFFENCE_TARGETS whole target batches is an offence (a WeightClaim finding, not a drop);
-4. with at least three finite contributions (fewer cannot outvote anyone), drops one whose L2 norm is
+4. with at least three finite contributions (fewer cannot outvote anyone) to a part of at least
+   `min_judged_values` values (see MIN_JUDGED_VALUES), drops one whose L2 norm is
    more than `norm_ratio` times the median of the others' norms; then, with at least four left (the
    median of two others is no center: honest single-batch gradients were dropped that way), one whose
    cosine similarity to the coordinate-wise median of the others is below `min_cosine` (it points away
@@ -48,6 +49,11 @@ DIRECTION_CONSENSUS = 0.2
 """The median cosine (each contribution to the median of the others) below which no direction is judged. Measured
 on 4 single-batch bytelm-tiny gradients over 7 stages of training: honest parts below min_cosine fell from up to 6.2%
 to at most 0.7% of judged parts, and a sign flip is still dropped in 36 to 100% of them (it was 49 to 100%)."""
+MIN_JUDGED_VALUES = 256
+"""A part smaller than this gets no norm or direction verdict; its values are still combined robustly by `rule`.
+hivemind's last part of a peer's span can be a few dozen values (the tail of a bias vector), where honest peers'
+gradients differ by chance: in a 7-peer bytelm-tiny swarm an honest peer was excluded for three norm offences, each
+in a part of 48 values, at 20x the median of two honest others."""
 CENTERED_CLIP_ITERATIONS = 5
 OFFENCE_TARGETS = 2.0
 """A weight claim is an offence only above this many whole target batches. The cap (an equal share times
@@ -64,6 +70,7 @@ class RobustPolicy:
     min_cosine: float = -0.2  # -1 turns the direction check off
     rule: str = "trimmed-mean"
     trim_fraction: float = 0.25  # with 3 or more contributions, at least one is trimmed from each end
+    min_judged_values: int = MIN_JUDGED_VALUES  # smaller parts are combined, not judged
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,7 @@ Finding = Union[Drop, WeightClaim]
 class Aggregate(NamedTuple):
     result: torch.Tensor
     drops: List[Drop]
-    norm_judged: bool  # the norm check ran (False: fewer than three contributions, or it was not applied)
+    norm_judged: bool  # the norm check ran (False: fewer than three contributions, a small part, or not applied)
     fully_judged: bool  # every check that is on ran (False: too few contributions, or no direction consensus)
     capped: List[WeightClaim]  # weights capped to the bound (the contribution is used, unless a check drops it)
 
@@ -152,7 +159,7 @@ class NothingToAggregate(RuntimeError):
 def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, excluded: Sequence[int] = (),
               bound: Optional[WeightBound] = None, own: Optional[int] = None) -> Aggregate:
     """Combine the contributions to one part; return the result, what was dropped and why, whether the norm
-    check ran (with three or more contributions), whether every check that is on could run (with fewer than four
+    check ran (with three or more contributions to a part of at least `policy.min_judged_values`), whether every check that is on could run (with fewer than four
     contributions, or no consensus on a direction, a sign flip would have gone unseen), and whose weight was
     capped (where `bound` is given: the weights are sample counts). `own` is the sender that is this peer, whose
     contribution it trusts."""
@@ -172,7 +179,7 @@ def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, exclu
             item = replace(item, weight=cap)
         kept.append(item)
     norm_judged = fully_judged = False
-    if len(kept) >= 3:
+    if len(kept) >= 3 and kept[0].part.numel() >= policy.min_judged_values:
         kept, outliers, norm_judged, fully_judged = _drop_outliers(kept, policy, own)
         drops += outliers
     if not kept:

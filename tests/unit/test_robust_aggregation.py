@@ -102,6 +102,21 @@ def test_robust_rules_stay_near_the_honest_mean_where_a_mean_would_not(rule):
     assert (robust - honest_mean).norm() < 0.6 * (plain - honest_mean).norm()
 
 
+def test_a_part_too_small_to_judge_is_combined_robustly_without_a_verdict():
+    """A tail part of a few dozen values: a 30x norm among three is no offence there, and its values still cannot
+    move the result past the median of three; from MIN_JUDGED_VALUES values on, the same sender is dropped."""
+    policy = RobustPolicy()
+    small = honest_parts(3, size=policy.min_judged_values - 1)
+    small[2] = small[2] * 30
+    result, drops, norm_judged, fully_judged, _ = aggregate(contributions(small), policy)
+    assert drops == [] and not norm_judged and not fully_judged
+    assert torch.equal(result, torch.stack(small).median(dim=0).values)  # trimmed mean of three: their median
+    judged = honest_parts(3, size=policy.min_judged_values)
+    judged[2] = judged[2] * 30
+    _, drops, norm_judged, _, _ = aggregate(contributions(judged), policy)
+    assert [(drop.sender, drop.reason) for drop in drops] == [(2, "norm")] and norm_judged
+
+
 def test_trimmed_mean_of_identical_parts_is_that_part():
     part = torch.randn(50)
     result, _, _, _, _ = aggregate(contributions([part.clone() for _ in range(5)]), RobustPolicy(rule="trimmed-mean"))
