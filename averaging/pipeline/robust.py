@@ -159,10 +159,10 @@ class NothingToAggregate(RuntimeError):
 def aggregate(contributions: Sequence[Contribution], policy: RobustPolicy, excluded: Sequence[int] = (),
               bound: Optional[WeightBound] = None, own: Optional[int] = None) -> Aggregate:
     """Combine the contributions to one part; return the result, what was dropped and why, whether the norm
-    check ran (with three or more contributions to a part of at least `policy.min_judged_values`), whether every check that is on could run (with fewer than four
-    contributions, or no consensus on a direction, a sign flip would have gone unseen), and whose weight was
-    capped (where `bound` is given: the weights are sample counts). `own` is the sender that is this peer, whose
-    contribution it trusts."""
+    check ran (with three or more contributions to a part of at least `policy.min_judged_values`), whether every
+    check that is on could run (with fewer than four contributions, or no consensus on a direction, a sign flip
+    would have gone unseen), and whose weight was capped (where `bound` is given: the weights are sample counts).
+    `own` is the sender that is this peer, whose contribution it trusts."""
     contributions = sorted(contributions, key=lambda item: item.sender)  # arrival order must not change a bit
     senders = sum(1 for item in contributions if _claims_samples(item))
     drops: List[Drop] = []
