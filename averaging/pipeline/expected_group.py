@@ -1,10 +1,11 @@
-"""ExpectedGroup: how many peers an averager's next round expects, told by the training process.
+"""ExpectedGroup: how many peers an averager's next round waits for, told by the training process.
 
-hivemind's matchmaking closes a group when its leader's window ends, even when every peer has joined long before, or
-as soon as `target_group_size` peers have joined. The training process counts the peers a round of the whole swarm
-expects (averaging/strategies/whole_rounds.py) and writes the count here, with the epoch the round leads to; the
-averager's process reads it as that round starts looking for a group (averaging/adapter/epoch_keys.py) and makes it
-the round's target group size, so its group closes once all of them are in.
+hivemind's matchmaking closes a group when its leader's window ends, or as soon as `target_group_size` peers have
+joined. A round that averages the whole swarm is only whole if every peer at its epoch joins, and they reach the
+epoch's end seconds apart (16 peers on 2 cores: up to 24 s). The training process counts the peers it expects
+(averaging/strategies/whole_rounds.py) and writes the count here, with the epoch the round leads to; the averager's
+process reads it as that round starts looking for a group (averaging/adapter/epoch_keys.py) and makes it the round's
+target group size, so its group closes once all of them are in.
 """
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ read and that has not expired (a paused peer writes no training record). Its gro
 have joined (averaging/pipeline/expected_group.py), and otherwise when the window ends, as before. A peer counted
 that does not come (it is behind, or it left and its record has not expired yet) costs the round its window, as
 every round paid before. Counting only the peers whose last record was at the round's epoch was tried first: it
-closed groups without a peer whose record was read late (on 4 peers, 11 of 27 rounds met in groups of 2
-or 3).
+closed groups without a peer whose record was read late (on 4 peers, 11 of 29 rounds split).
 
 A longer window was tried too, for the peers that learn late that the epoch has ended (16 peers on 2 cores reached
 the same epoch's end 24 to 50 s apart): it made things worse. A group of the whole swarm then waited for its
