@@ -75,9 +75,8 @@ class AveragingConfig(BaseModel):
     matchmaking_seconds: Seconds = Field(
         default=5.0,
         description="How long to gather a group before averaging, or 'auto' (derived from the swarm's epoch time "
-        "within --matchmaking-seconds-min/max). A round of the whole swarm begins as soon as every peer at its epoch "
-        "has joined. Raise it if rounds often have fewer peers than "
-        "the swarm; lower it on fast local networks to cut the time per epoch.",
+        "within --matchmaking-seconds-min/max). Raise it if rounds often have fewer peers than the swarm; lower it "
+        "on fast local networks to cut the time per epoch.",
     )
     matchmaking_seconds_min: float = Field(
         default=1.0, gt=0, description="Lower bound for --matchmaking-seconds auto."

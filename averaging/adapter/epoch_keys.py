@@ -17,10 +17,6 @@ Grouped rounds (--target-group-size) meet under `<prefix>_e<epoch>g<group>.0b<bi
 chooses the round's group (averaging/swarm/groups.py) and writes it, with the epoch it is for, to a small array
 shared with the averager process (`ChosenGroup`); the averager process reads it when the round starts looking for
 a group, and uses it if it is for that round's epoch.
-
-A round that averages the whole swarm also reads, as it starts looking, how many peers the training process expects
-at its epoch (averaging/pipeline/expected_group.py): that is its target group size, so its leader closes the group
-once they have all joined instead of at the end of its window.
 """
 from __future__ import annotations
 
@@ -35,13 +31,8 @@ from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.utils import MSGPackSerializer
 
-from averaging.pipeline import round_pipeline
-from averaging.pipeline.expected_group import ExpectedGroup
-
 _looking_for_group = Matchmaking.looking_for_group
 _NONE = -1
-RoundPlanner = Callable[[object], None]
-"""Told what each round gathers before it looks for a group (averaging/strategies/whole_rounds.py)."""
 
 
 class ChosenGroup:
@@ -86,16 +77,10 @@ async def looking_for_group_in_epoch(self: Matchmaking, step_control: StepContro
         epoch = round_epoch(step_control)
         self.group_key_manager.round_epoch = epoch
         self.group_key_manager.round_group = _chosen_group.of_round(epoch) if _chosen_group is not None else None
-        upstream_size = self.target_group_size
-        expected = round_pipeline.running().stage(ExpectedGroup)
-        expected_size = expected.of_round(epoch) if expected is not None else None
-        if expected_size is not None:
-            self.target_group_size = expected_size  # the leader closes the group once they are all in
         try:
             yield
         finally:
             self.group_key_manager.round_epoch = self.group_key_manager.round_group = None
-            self.target_group_size = upstream_size
 
 
 def epoch_group_key(self: GroupKeyManager) -> str:
@@ -106,18 +91,14 @@ def epoch_group_key(self: GroupKeyManager) -> str:
     return f"{prefix}.0b{self.group_bits}"
 
 
-def gather_epochs(averager: DecentralizedAverager, next_epoch: Callable[[], int],
-                  plan_round: Optional[RoundPlanner] = None) -> None:
+def gather_epochs(averager: DecentralizedAverager, next_epoch: Callable[[], int]) -> None:
     """Make every round this averager schedules gather `next_epoch()`, the epoch it leads to (unless the caller
-    gathers something else), and tell `plan_round` what it gathers. Upstream's gradient rounds, pre-scheduled or not,
-    all pass through schedule_step."""
+    gathers something else). Upstream's gradient rounds, pre-scheduled or not, all pass through schedule_step."""
     schedule_step = averager.schedule_step
 
     def schedule_step_in_epoch(*args, **kwargs):
         if kwargs.get("gather") is None:
             kwargs["gather"] = next_epoch()
-        if plan_round is not None:
-            plan_round(kwargs["gather"])
         return schedule_step(*args, **kwargs)
 
     averager.schedule_step = schedule_step_in_epoch

@@ -13,9 +13,8 @@ from typing import Callable, Optional
 import hivemind
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from averaging.adapter.epoch_keys import RoundPlanner, gather_epochs
+from averaging.adapter.epoch_keys import gather_epochs
 from averaging.pipeline.error_feedback import ErrorFeedback
-from averaging.pipeline.expected_group import ExpectedGroup
 from averaging.pipeline.robust import WeightBound
 from averaging.pipeline.round_pipeline import including
 
@@ -27,19 +26,15 @@ class HookedOptimizer(hivemind.Optimizer):
     :param weight_bound: carried by the gradient averager alone: its weights are the samples each peer accumulated
       (hivemind's GradientAverager, PowerSGD's too). The state averager's parameter rounds weigh each peer 1, no
       sample count, so a bound from the target batch means nothing there.
-    :param expected_group: carried by the gradient averager alone: how many peers each of its rounds expects
-    :param plan_round: told what each gradient round gathers before it looks for a group (gather_epochs in
-      averaging/adapter/epoch_keys.py), so that it can set `expected_group` for that round
     """
 
     def __init__(self, *, error_feedback: Optional[ErrorFeedback] = None, weight_bound: Optional[WeightBound] = None,
-                 expected_group: Optional[ExpectedGroup] = None, plan_round: Optional[RoundPlanner] = None,
                  **kwargs):
         # before super().__init__, which builds the gradient averager
-        self.error_feedback, self.weight_bound, self.expected_group = error_feedback, weight_bound, expected_group
+        self.error_feedback, self.weight_bound = error_feedback, weight_bound
         super().__init__(**kwargs)
         if self.grad_averager is not None:  # a gradient round leads to the next epoch (local SGD has none)
-            gather_epochs(self.grad_averager, lambda: self.local_epoch + 1, plan_round)
+            gather_epochs(self.grad_averager, lambda: self.local_epoch + 1)
 
     # --- hooks ---------------------------------------------------------------------------------
 
@@ -87,8 +82,7 @@ class HookedOptimizer(hivemind.Optimizer):
         return self.make_state_averager(**kwargs)
 
     def _make_gradient_averager(self, factory, **kwargs):
-        # the gradient averager alone
-        with including(self.error_feedback), including(self.weight_bound), including(self.expected_group):
+        with including(self.error_feedback), including(self.weight_bound):  # the gradient averager alone
             return super()._make_gradient_averager(factory, **kwargs)
 
     def _update_global_epoch(self, grad_scaler) -> None:

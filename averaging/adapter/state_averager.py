@@ -32,7 +32,7 @@ from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
-from averaging.adapter.epoch_keys import ChosenGroup, RoundPlanner
+from averaging.adapter.epoch_keys import ChosenGroup
 from averaging.api import RoundReport
 from averaging.pipeline import completeness
 from averaging.pipeline.guards import all_finite
@@ -194,12 +194,10 @@ class ReportingStateAverager(GuardedStateAverager):
     """
 
     def __init__(self, *, report: Callable[[RoundReport], None],
-                 group_for: Optional[Callable[[int], int]] = None, plan_round: Optional[RoundPlanner] = None,
-                 **kwargs):
+                 group_for: Optional[Callable[[int], int]] = None, **kwargs):
         """:param group_for: for grouped rounds, the group of the round that leads to an epoch
-        (averaging/swarm/groups.py); its rounds meet under that group's key (averaging/adapter/epoch_keys.py)
-        :param plan_round: told what each round gathers before it looks for a group"""
-        self._report, self._group_for, self._plan_round = report, group_for, plan_round
+        (averaging/swarm/groups.py); its rounds meet under that group's key (averaging/adapter/epoch_keys.py)"""
+        self._report, self._group_for = report, group_for
         # made before the averager process forks: shared with it
         self.chosen_group = ChosenGroup() if group_for is not None else None
         super().__init__(**kwargs)
@@ -211,15 +209,12 @@ class ReportingStateAverager(GuardedStateAverager):
 
     def schedule_step(self, scheduled_time=None, **kwargs):
         """A round pre-scheduled before its epoch: it looks for the group of the epoch it gathers."""
-        self._prepare_round(kwargs.get("gather"))
+        self._choose_group(kwargs.get("gather"))
         return super().schedule_step(scheduled_time, **kwargs)
 
-    def _prepare_round(self, epoch) -> None:
-        """Choose the group of the round that gathers `epoch` (grouped rounds), and tell `plan_round` of it."""
+    def _choose_group(self, epoch) -> None:
         if self._group_for is not None and isinstance(epoch, int):
             self.chosen_group.choose(epoch, self._group_for(epoch))
-        if self._plan_round is not None:
-            self._plan_round(epoch)
 
     def _do(self, wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, grad_scaler,
             set_to_none, timeout=None, **kwargs):
@@ -229,7 +224,7 @@ class ReportingStateAverager(GuardedStateAverager):
         started = time.monotonic()
         if averaging_control is None or averaging_control.triggered or averaging_control.done():
             try:
-                self._prepare_round(self.local_epoch)
+                self._choose_group(self.local_epoch)
                 averaging_control = hivemind.DecentralizedAverager.step(
                     self, gather=self.local_epoch, require_trigger=True, timeout=timeout, wait=False, **kwargs
                 )

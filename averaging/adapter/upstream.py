@@ -44,12 +44,6 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_MATCHMAKING}.looking_for_group": ("a7f0ac4565e90cc9", "averaging/adapter/epoch_keys.py"),
     "hivemind.averaging.key_manager.GroupKeyManager.current_key":
         ("1b0f9d71104a01b3", "averaging/adapter/epoch_keys.py"),
-    # a round's target group size, set for it by averaging/adapter/epoch_keys.py: the leader closes a full group
-    f"{_MATCHMAKING}.rpc_join_group": ("0d6120e412849439", "averaging/adapter/epoch_keys.py"),
-    f"{_MATCHMAKING}._check_reasons_to_reject": ("c694e8194862154f", "averaging/adapter/epoch_keys.py"),
-    # every gradient round passes through schedule_step, where gather_epochs tells whole_rounds.py of it
-    "hivemind.optim.grad_averager.GradientAverager.schedule_step":
-        ("ff580482bac40508", "averaging/adapter/epoch_keys.py, averaging/strategies/whole_rounds.py"),
     f"{_AVERAGER}.rpc_aggregate_part": ("06ad9597d5884df8", "averaging/adapter/grace.py"),
     "hivemind.averaging.averager.load_balance_peers": ("32f8b8d0c41d2653", "averaging/adapter/grace.py"),
     "hivemind.optim.power_sgd_averager.load_balance_peers": ("32f8b8d0c41d2653", "averaging/adapter/grace.py"),

@@ -47,12 +47,10 @@ from averaging.config import AveragingConfig
 from averaging.deadlines import Deadlines
 from averaging.pipeline import completeness
 from averaging.pipeline.guards import all_finite
-from averaging.pipeline.round_pipeline import including
 from averaging.strategies.agreement import StateAgreement
 from averaging.strategies.membership import SharesState, join_or_terminate
 from averaging.strategies.parts import StrategyParts, next_chunk_timeout
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
-from averaging.strategies.whole_rounds import WholeRounds
 from averaging.swarm import progress
 from averaging.swarm.groups import RecentPeers, round_group
 from dht.keys import SwarmKeys
@@ -77,13 +75,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
         self.keys, self.rounds, self.signing_key = keys, rounds, signing_key
         self.report_state_rounds, self.group_size = report_state_rounds, group_size
         requested_client_mode = kwargs.get("client_mode")
-        # the training peers its tracker reads: grouped rounds deal them into groups, whole rounds wait for them
-        self.census = RecentPeers()
-        me = kwargs["dht"].peer_id.to_bytes()
-        self.whole_state_rounds = None if self.averages_in_groups else WholeRounds(self.census, me)
-        whole_gradient_rounds = WholeRounds(self.census, me)  # a gradient round always averages the whole swarm
-        super().__init__(run_id=keys.namespace, expected_group=whole_gradient_rounds.expected,
-                         plan_round=whole_gradient_rounds.expect, **kwargs)
+        super().__init__(run_id=keys.namespace, **kwargs)
         if requested_client_mode is not None and self.client_mode != requested_client_mode:
             raise ValueError(
                 f"client_mode={requested_client_mode} conflicts with the DHT's client_mode={self.client_mode}; "
@@ -94,7 +86,8 @@ class SyncOptimizer(SharesState, HookedOptimizer):
                                           evidence=self.weight_bound.evidence if self.weight_bound else None)
         if rounds.deadlines.auto:
             self._apply_deadlines(rounds.deadlines.current)
-        self.tracker.members = self.census  # filled by its reads (averaging/adapter/progress_filter.py)
+        if self.averages_in_groups:
+            self.tracker.members = RecentPeers()  # filled by its reads (averaging/adapter/progress_filter.py)
         self._start_agreement(agreement, slice(None))  # everything it serves: parameters and optimizer state
         # local-sgd's parameter rounds land in the background, while the peer trains on in the epoch they lead to
         self.averages_after_epoch = self.use_local_updates and self.delay_state_averaging
@@ -162,27 +155,24 @@ class SyncOptimizer(SharesState, HookedOptimizer):
 
     def make_state_averager(self, **kwargs) -> TrainingStateAverager:
         report = self.rounds.report if self.report_state_rounds else self._state_round_finished
-        whole = self.whole_state_rounds
-        with including(whole.expected if whole is not None else None):
-            return ReportingStateAverager(
-                report=report,
-                group_for=self._round_group if self.averages_in_groups else None,
-                plan_round=whole.expect if whole is not None else None,
-                serve=self.rounds.hooks.serve_state,
-                dht=self.dht,
-                prefix=self.keys.state_averager,
-                min_matchmaking_time=self.matchmaking_time,
-                allreduce_timeout=self.allreduce_timeout,
-                shutdown_timeout=self.shutdown_timeout,
-                offload_optimizer=self.offload_optimizer,
-                custom_gradients=self.offload_optimizer,
-                status_loglevel=self.status_loglevel,
-                next_chunk_timeout=self.next_chunk_timeout,
-                client_mode=self.client_mode,
-                auxiliary=self.auxiliary,
-                start=True,
-                **kwargs,
-            )
+        return ReportingStateAverager(
+            report=report,
+            group_for=self._round_group if self.averages_in_groups else None,
+            serve=self.rounds.hooks.serve_state,
+            dht=self.dht,
+            prefix=self.keys.state_averager,
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            offload_optimizer=self.offload_optimizer,
+            custom_gradients=self.offload_optimizer,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **kwargs,
+        )
 
     def _round_group(self, epoch: int) -> int:
         """This peer's group in the round that leads to `epoch`, among the training peers its tracker has read: their

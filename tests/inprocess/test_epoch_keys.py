@@ -2,21 +2,17 @@
 hivemind averagers in this process."""
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
-from typing import List, Optional, Sequence
+from typing import List
 
 import hivemind
 import pytest
 import torch
-from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException
-from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils import MSGPackSerializer
 
 from averaging import adapter
 from averaging.adapter.epoch_keys import ChosenGroup, epoch_group_key, gather_epochs, round_epoch
-from averaging.pipeline.expected_group import ExpectedGroup
-from averaging.pipeline.round_pipeline import RoundStage, including
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -63,18 +59,14 @@ def test_gather_epochs_fills_in_the_epoch_a_round_leads_to_unless_the_caller_gat
     assert calls == [dict(timeout=3.0, gather=5), dict(gather=7), dict(gather=2)]
 
 
-def start_averagers(count: int, stages: Sequence[Optional[RoundStage]] = ()) -> List[DecentralizedAverager]:
-    """`stages`: one for each averager (or none), carried in its pipeline."""
+def start_averagers(count: int) -> List[hivemind.averaging.DecentralizedAverager]:
     adapter.install()  # the patches reach the averager processes at fork
     first = hivemind.DHT(start=True, host_maddrs=LOCALHOST)
     dhts = [first] + [hivemind.DHT(start=True, host_maddrs=LOCALHOST, initial_peers=first.get_visible_maddrs())
                       for _ in range(count - 1)]
-    averagers = []
-    for index, (dht, stage) in enumerate(zip(dhts, list(stages) or [None] * count)):
-        with including(stage):
-            averagers.append(DecentralizedAverager([torch.full((16,), float(index))], dht, prefix="epochs",
-                                                   min_matchmaking_time=2.0, request_timeout=0.5, start=True))
-    return averagers
+    return [hivemind.averaging.DecentralizedAverager(
+        [torch.full((16,), float(index))], dht, prefix="epochs", min_matchmaking_time=2.0, request_timeout=0.5,
+        start=True) for index, dht in enumerate(dhts)]
 
 
 def shut_down(averagers) -> None:
@@ -100,49 +92,5 @@ def test_peers_whose_rounds_lead_to_the_same_epoch_average_and_a_peer_one_epoch_
                 assert torch.equal(tensor, torch.full((16,), 0.5))
         with averagers[2].get_tensors() as (tensor,):
             assert torch.equal(tensor, torch.full((16,), 2.0))  # untouched
-    finally:
-        shut_down(averagers)
-
-
-def test_an_expected_group_is_known_to_its_round_of_that_epoch_only():
-    expected = ExpectedGroup()
-    expected.prepare([])
-    assert expected.of_round(8) is None  # nothing told: upstream's target
-    expected.expect(8, 3)
-    assert expected.of_round(8) == 3 and expected.of_round(9) is None and expected.of_round(None) is None
-    expected.expect(9, 1)  # alone as far as the training process knows
-    assert expected.of_round(9) is None
-
-
-@pytest.mark.timeout(150)
-def test_a_round_that_expects_its_peers_waits_for_a_late_one_and_closes_once_all_are_in():
-    """Two peers start looking at once and the third 4 s later, past the 2 s window: told to expect three, with a
-    long window, their round takes the late peer in and begins before that window ends. Told nothing (upstream),
-    the first two close their group without it."""
-    expected = [ExpectedGroup() for _ in range(3)]
-    averagers = start_averagers(3, expected)
-    try:
-        for stage in expected:
-            stage.expect(8, 3)
-        window_ends = get_dht_time() + 60.0
-        controls = [averager.step(gather=8, scheduled_time=window_ends, timeout=90.0, allow_retries=False,
-                                  wait=False) for averager in averagers[:2]]
-        time.sleep(4.0)
-        controls.append(averagers[2].step(gather=8, scheduled_time=window_ends + 1.0, timeout=90.0,
-                                          allow_retries=False, wait=False))
-        results = [control.result(timeout=80) for control in controls]
-        assert get_dht_time() < window_ends  # the group closed once full, not at the end of its window
-        assert all(len(gathered) == 3 for gathered in results) and results[0] == results[2]
-        for averager in averagers:
-            with averager.get_tensors() as (tensor,):
-                assert torch.equal(tensor, torch.full((16,), 1.0))  # the mean of 0, 1 and 2
-
-        controls = [averager.step(gather=9, timeout=30.0, allow_retries=False, wait=False)
-                    for averager in averagers[:2]]  # epoch 9: nothing told, upstream's 2 s window
-        time.sleep(4.0)
-        late = averagers[2].step(gather=9, timeout=30.0, allow_retries=False, wait=False)
-        assert len(controls[0].result(timeout=60)) == 2  # closed without the late peer
-        with pytest.raises(AllreduceException, match="could not find a group"):
-            late.result(timeout=60)
     finally:
         shut_down(averagers)
