@@ -148,7 +148,7 @@ class Aggregate(NamedTuple):
     result: torch.Tensor
     drops: List[Drop]
     norm_judged: bool  # the norm check ran (False: fewer than three contributions, a small part, or not applied)
-    fully_judged: bool  # every check that is on ran (False: too few contributions, or no direction consensus)
+    fully_judged: bool  # every check that is on ran (False: too few contributions, a small part, no consensus)
     capped: List[WeightClaim]  # weights capped to the bound (the contribution is used, unless a check drops it)
 
 
