@@ -24,7 +24,10 @@ class TaskContractError(TaskLoadError):
 
 def check_task(task: Task, model: torch.nn.Module, train: Dataset, val: Dataset, batch_size: int,
                device: torch.device, opt_statistics: Sequence[str] = (), powersgd_rank: Optional[int] = None) -> None:
-    """:param powersgd_rank: with --averaging powersgd, the rank, which must compress some matrix of the model
+    """Everything but the first batch (check_first_batch): the model, the optimizer, the statistics to average, the
+    PowerSGD rank and the datasets' sizes.
+
+    :param powersgd_rank: with --averaging powersgd, the rank, which must compress some matrix of the model
     :raises TaskContractError: the first broken rule"""
     where = f"--task {task.name}"
     params = list(model.parameters())
@@ -45,6 +48,15 @@ def check_task(task: Task, model: torch.nn.Module, train: Dataset, val: Dataset,
             raise TaskContractError(f"{where}: build_{kind}_dataset() holds {size} samples, fewer than "
                                     f"{'one batch of ' if needed > 1 else ''}{needed}; "
                                     f"{'lower --batch-size or ' if needed > 1 else ''}give it more data")
+
+
+def check_first_batch(task: Task, model: torch.nn.Module, train: Dataset, batch_size: int,
+                      device: torch.device) -> None:
+    """The task's data and loss, on its first batch: the one check that runs the task's own code on samples, and so
+    the one a peer times (a dataset that hangs is found here, not as a silent stall later).
+
+    :raises TaskContractError: the loss is not one finite number"""
+    where = f"--task {task.name}"
     batch = move_to((task.collate_fn or default_collate)([train[index] for index in range(batch_size)]), device)
     training = model.training
     model.eval()  # no dropout draws, no batch-norm statistics moved: the model is left as it was built

@@ -299,8 +299,9 @@ def run_peer_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 def test_bad_task_exits_2_without_traceback(tmp_path, module_source, task, expected):
     if module_source is not None:
         (tmp_path / "broken_task.py").write_text(module_source)
-    # long enough for a task to build under suite load, short enough for the rows that hang
-    result = run_peer_process(tmp_path, "--task", task, "--metrics-port", "0", "--task-timeout-seconds", "8")
+    # the rows that hang wait the timeout out; the others get one that suite load cannot reach
+    timeout = "8" if "took longer than" in expected else "60"
+    result = run_peer_process(tmp_path, "--task", task, "--metrics-port", "0", "--task-timeout-seconds", timeout)
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert expected in output and "Traceback" not in output

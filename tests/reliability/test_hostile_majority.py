@@ -17,7 +17,6 @@ import pytest
 from peer.telemetry.events import EpochEnded, PeerExcluded, UpdatesRefused
 from peer.testing import Peer, Swarm, until
 from peer.testing.faults import FaultPlan
-from tests.peers import ONE_CROWD_AT_A_TIME
 
 HONEST = ("a", "b")
 FLIPPERS = ("flip-1", "flip-2", "flip-3")
@@ -25,7 +24,8 @@ COLLUDING = FaultPlan(gradient_factor=-3.0)  # far below the norm check's 20x: i
 RECOVERY = 0.1  # how far below its loss when it refused them an honest peer's held-out loss must fall
 
 
-@ONE_CROWD_AT_A_TIME
+# five peer processes: beside the suite's other swarms, a CI run timed out waiting for the majority's harm to show
+@pytest.mark.solo  # run alone, after the suite (.ci/run)
 @pytest.mark.timeout(480)
 async def test_two_honest_peers_notice_a_colluding_majority_refuse_it_and_train_on(tmp_path: Path):
     async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "48", "--min-peers", "5",

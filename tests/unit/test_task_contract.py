@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from peer.tasks import Task
-from peer.tasks.contract import TaskContractError, check_task
+from peer.tasks.contract import TaskContractError, check_first_batch, check_task
 from tests.tasks_for_tests import SyntheticDataset, _mlp, mse_loss, sgd
 
 CPU = torch.device("cpu")
@@ -16,8 +16,9 @@ GOOD = dict(name="mlp", build_model=lambda: _mlp(8, 1), build_train_dataset=lamb
 
 def check(statistics=(), batch_size=8, powersgd_rank=None, **broken) -> None:
     task = Task(**{**GOOD, **broken})
-    check_task(task, task.build_model(), task.build_train_dataset(), task.build_val_dataset(), batch_size, CPU,
-               statistics, powersgd_rank)
+    model, train = task.build_model(), task.build_train_dataset()
+    check_task(task, model, train, task.build_val_dataset(), batch_size, CPU, statistics, powersgd_rank)
+    check_first_batch(task, model, train, batch_size, CPU)
 
 
 def test_a_task_that_keeps_the_contract_passes_and_its_model_is_left_as_built():
@@ -25,6 +26,7 @@ def test_a_task_that_keeps_the_contract_passes_and_its_model_is_left_as_built():
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     task = Task(**{**GOOD, "build_model": lambda: model})
     check_task(task, model, SyntheticDataset(64), SyntheticDataset(16), 8, CPU)
+    check_first_batch(task, model, SyntheticDataset(64), 8, CPU)
     assert model.training and all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
 
 
