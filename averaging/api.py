@@ -226,6 +226,10 @@ class SessionOptimizer(SwarmProgress, Protocol):
         """Where peers check state digests: wait (at most `timeout_seconds`) until this peer's state at its epoch
         has been compared with the swarm's, so that `apart` tells (a peer leaving at its last epoch)."""
 
+    def download_swarm_state(self) -> bool:
+        """If this peer's state digest was found apart from the swarm's, download the swarm's state now, from a peer
+        that holds it; True if one was loaded. A strategy that checks no digests downloads nothing."""
+
     @property
     def downloaded_at_epoch(self) -> Optional[int]:
         """The epoch of the last state this peer downloaded (None if it never did)."""

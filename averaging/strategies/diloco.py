@@ -226,9 +226,7 @@ class DiLoCoOptimizer(SharesState):
         """Download round-start params, outer momentum, inner optimizer state and epoch; bounded attempts."""
         self._abandon_flight()  # the state that comes replaces what it would have updated
         with self.rounds.phase("state_sync"), self.tracker.pause_updates():
-            loaded = self.rounds.download_state(
-                lambda: self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
-            )
+            loaded = self.rounds.download_state(lambda: self._download_state(**kwargs))
             if loaded and self.error_feedback is not None:
                 self.error_feedback.reset()  # what this peer's old state lost is no part of the new one
             # the sender's model was somewhere inside its round; the swarm agrees on the round start
@@ -241,6 +239,10 @@ class DiLoCoOptimizer(SharesState):
             progress.served(self.tracker, self.local_epoch)
         self.rounds.report_download(loaded, self.local_epoch)
         return loaded
+
+    def _download_state(self, **kwargs) -> None:
+        self._refresh_donors()
+        self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
 
     def state_dict(self) -> dict:
         state = self.inner_optimizer.state_dict()

@@ -83,6 +83,9 @@ class SharesState(ReportsProgress):
         if self.agreement is not None and not self.rounds.apart:  # apart by its rounds, it downloads anyway
             self.agreement.await_comparison(self.local_epoch, timeout_seconds)
 
+    def download_swarm_state(self) -> bool:
+        return self.agreement is not None and self.agreement.apart() and self.load_state_from_peers()
+
     @property
     def downloaded_at_epoch(self) -> Optional[int]:
         return self.rounds.downloaded_at_epoch
@@ -140,6 +143,13 @@ class SharesState(ReportsProgress):
         if agreement is not None:
             self.state_averager.check_download = agreement.check_download
             agreement.start(select, expected_peers=lambda: self.tracker.global_progress.num_peers)
+
+    def _refresh_donors(self) -> None:
+        """Before each download attempt: refuse as donors the peers apart from the swarm's state now, not those of
+        the last comparison (16 peers: three apart ones refused every repaired peer, found the peers that held the
+        swarm's state gone, and left with their own)."""
+        if self.agreement is not None:
+            self.agreement.refresh()
 
     def _record_state(self, reference: bool = False) -> None:
         """The state of this epoch is final: digest and publish it. Not where its round left this peer apart: it

@@ -111,6 +111,9 @@ class SoloOptimizer(ReportsProgress):
     def await_state_comparison(self, timeout_seconds: float) -> None:
         """No state to compare."""
 
+    def download_swarm_state(self) -> bool:
+        return False
+
     @property
     def downloaded_at_epoch(self) -> Optional[int]:
         return None

@@ -256,6 +256,7 @@ class DigestWatch:
         self.publisher = RecordPublisher(dht, key, book.record_value, period_seconds=max(period_seconds, 3.0),
                                          ttl_seconds=ttl_seconds)
         self._stop = threading.Event()
+        self._checking = threading.Lock()  # the watch's checks and `check_now` never overlap
         self._thread = threading.Thread(target=self._run, name="digest-watch", daemon=True)
 
     def start(self) -> "DigestWatch":
@@ -267,14 +268,24 @@ class DigestWatch:
         """After a new digest: store it at once, off the training thread."""
         threading.Thread(target=self.publisher.publish_now, name="digest-publish", daemon=True).start()
 
+    def check_now(self) -> None:
+        """Compare again now, whatever the last comparison was: before a download, the peers that were apart then
+        (refused as donors) may have downloaded the swarm's state since, and the peers that held it may have left."""
+        with self._checking:
+            self._check(force=True)
+
     def _run(self) -> None:
         while not self._stop.wait(self.period_seconds):
-            try:
-                expected_peers = self.expected_peers()
-                if not self.book.compared_with_all(expected_peers):
-                    self.book.check(expected_peers)
-            except Exception as e:  # a DHT read that failed: the next one may not
-                logger.debug(f"could not check the swarm's state digests: {e!r}")
+            with self._checking:
+                self._check(force=False)
+
+    def _check(self, force: bool) -> None:
+        try:
+            expected_peers = self.expected_peers()
+            if force or not self.book.compared_with_all(expected_peers):
+                self.book.check(expected_peers)
+        except Exception as e:  # a DHT read that failed: the next one may not
+            logger.debug(f"could not check the swarm's state digests: {e!r}")
 
     def close(self, timeout_seconds: float = 5.0) -> None:
         self._stop.set()

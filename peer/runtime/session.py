@@ -59,11 +59,11 @@ from peer.runtime.leaving import (
 logger = logging.getLogger(__name__)
 
 START_SETTLE_SECONDS = 2.0
-STATE_COMPARISON_SECONDS = SETTLE_SECONDS + 2 * CHECK_SECONDS
-"""How long past a matchmaking window a peer leaving at its last epoch waits for that epoch's digests to be compared:
-the others publish theirs as they enter it, and a comparison waits at most SETTLE_SECONDS for them."""
 """Peers that wait for each other start this long after the first of them saw the quorum: enough for
 the others, polling every 0.25 s, to see it too."""
+STATE_COMPARISON_SECONDS = SETTLE_SECONDS + 2 * CHECK_SECONDS
+"""How long past its last round's deadline a peer leaving at its last epoch waits for that epoch's digests to be
+compared with every peer's: a peer one epoch behind publishes its digest once its last round has ended."""
 
 
 def earliest_start(own: Optional[float], announced: Iterable[object]) -> Optional[float]:
@@ -169,16 +169,20 @@ class SwarmSession:
         now = time.monotonic()
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
         # two groups of a split last round can each end it whole and still hold two states: the digests tell
-        self.optimizer.await_state_comparison(matchmaking + STATE_COMPARISON_SECONDS)
-        progress = read_by_owner(self.dht, self.keys.progress)  # fresh: the tracker's view may lag
-        # a state downloaded at the last epoch may predate its donor's last parameter round (hivemind averages
-        # parameters in the background and applies the result a step later): take the state a peer offers once its
-        # rounds have landed, as a peer whose last round failed does (seen: a straggler ended 5e-4 apart)
-        copy = self.optimizer.downloaded_at_epoch == epoch
+        self.optimizer.await_state_comparison(matchmaking + timeout + STATE_COMPARISON_SECONDS)
         # each group of a grouped round ends it whole with a state of its own: every peer is apart, and the one with
         # the smallest id offers the final state; a donor "ahead" may be any group's, so none is taken
         grouped = self.optimizer.averages_in_groups
-        apart = last_round_outcome in APART or self.optimizer.apart or copy or grouped
+        # a peer its digests found apart knows which state is the swarm's: it takes it now, from a peer that holds
+        # it, not after waiting for offers (16 peers: by then the peers that held it had left)
+        repaired = not grouped and self.optimizer.download_swarm_state()
+        progress = read_by_owner(self.dht, self.keys.progress)  # fresh: the tracker's view may lag
+        # a state downloaded at the last epoch may predate its donor's last parameter round (hivemind averages
+        # parameters in the background and applies the result a step later): take the state a peer offers once its
+        # rounds have landed, as a peer whose last round failed does (seen: a straggler ended 5e-4 apart); not one
+        # its digest showed to be the swarm's
+        copy = self.optimizer.downloaded_at_epoch == epoch and not repaired
+        apart = not repaired and (last_round_outcome in APART or self.optimizer.apart or copy or grouped)
         # peers that finished first may have stopped reporting progress, but they still offer their state; with a
         # straggler behind, an offer at this epoch may be this peer's own state, served to it: then ask as below
         if (apart and not grouped and not has_peer_behind(epoch, progress, self.me)

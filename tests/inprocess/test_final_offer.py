@@ -1,6 +1,7 @@
 """Leaving at the last epoch with grouped rounds (peer/runtime/session.py), with a real DHT in this process: a peer
 that offered its state, or took another's, and then sees an offer ranked above it downloads that one before it
-leaves; without grouped rounds the offers all hold the swarm's one state, and nobody looks."""
+leaves; without grouped rounds the offers all hold the swarm's one state, and nobody looks. A peer whose digests
+found it apart takes the swarm's state before anything else."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -19,14 +20,19 @@ EPOCH = 6
 class LeavingOptimizer:
     """What leaving asks of the optimizer; a better offer shows up once this peer has offered its own."""
 
-    def __init__(self, grouped: bool):
-        self.averages_in_groups, self.calls = grouped, []
+    def __init__(self, grouped: bool, digest_apart: bool = False):
+        self.averages_in_groups, self.digest_apart, self.calls = grouped, digest_apart, []
         self.deadlines = SimpleNamespace(matchmaking_seconds=1.0, averaging_timeout_seconds=2.0)
         self.local_epoch, self.downloaded_at_epoch, self.apart = EPOCH, None, False
         self._better_offers = 1
 
     def await_state_comparison(self, timeout_seconds: float) -> None:
         pass
+
+    def download_swarm_state(self) -> bool:
+        if self.digest_apart:
+            self.calls.append("download the swarm's state")
+        return self.digest_apart
 
     def load_state_from_donor_ahead(self) -> bool:
         return False
@@ -44,9 +50,9 @@ class LeavingOptimizer:
         return True
 
 
-def leave(grouped: bool) -> List[str]:
+def leave(grouped: bool, digest_apart: bool = False) -> List[str]:
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    optimizer = LeavingOptimizer(grouped)
+    optimizer = LeavingOptimizer(grouped, digest_apart)
     session = SwarmSession(dht, SwarmKeys.for_run("final_offer_test"), optimizer, StopRequest(),
                            record_ttl_seconds=30.0)
     try:
@@ -66,3 +72,9 @@ def test_a_grouped_peer_that_sees_an_offer_above_its_own_downloads_it_once():
 @pytest.mark.timeout(60)
 def test_without_groups_a_peer_whose_round_was_whole_only_offers():
     assert leave(grouped=False) == ["offer"]
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_its_digests_found_apart_takes_the_swarms_state_at_once_then_offers_it():
+    # it knows the state to take and who holds it: no wait for offers, and it holds the swarm's state once it has
+    assert leave(grouped=False, digest_apart=True) == ["download the swarm's state", "offer"]

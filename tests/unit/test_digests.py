@@ -126,6 +126,20 @@ def test_a_peer_apart_from_the_majority_downloads_and_is_no_longer_apart_once_it
     assert book.check(expected_peers=3).agrees and not book.apart()
 
 
+def test_before_a_download_the_refused_donors_are_those_apart_now_not_at_the_last_comparison():
+    # 16 peers: an apart peer refused the peers apart with it, compared no more (it had met every peer), and once the
+    # peers holding the swarm's state had left, found no donor it would take, though the others had repaired theirs
+    swarm = {B: {8: Y}, C: {8: Y}, D: {8: Z}}
+    book, _, refused = book_with(swarm)
+    watch = digests.DigestWatch(book, dht=None, key="digests", expected_peers=lambda: 4, ttl_seconds=10.0)
+    book.record(8, X)
+    watch.check_now()
+    assert book.apart() and book.refused_donors() == {D} and book.compared_with_all(expected_peers=4)
+    swarm[D] = {8: Y}  # D downloaded the swarm's state
+    watch.check_now()
+    assert refused[-1] == frozenset() and book.apart()  # D is a donor again; this peer still has to download
+
+
 def test_donors_whose_state_is_not_the_swarms_are_refused():
     swarm = {B: {5: Y}, C: {5: X}, D: {5: X}}
     book, _, refused = book_with(swarm)

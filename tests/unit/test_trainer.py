@@ -132,6 +132,9 @@ class FakeOptimizer:
     def await_state_comparison(self, timeout_seconds: float) -> None:
         self.calls.append("await_state_comparison")
 
+    def download_swarm_state(self) -> bool:
+        return False
+
     def offer_final_state(self) -> bool:
         self.calls.append("offer_final_state")
         return True
