@@ -6,7 +6,7 @@ the digest watch and the exclusion watch, from background threads.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 from averaging.api import AveragingHooks, LoopOptimizer, RoundLength, RoundReport
 from averaging.codecs.compression import bytes_moved
@@ -18,6 +18,7 @@ from peer.telemetry.summary import PeerSummary
 from peer.testing.faults import FaultInjector
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RoundTally:
@@ -35,10 +36,12 @@ class RoundTally:
 
     def hooks(self, timer: PhaseTimer, faults: Optional[FaultInjector] = None) -> AveragingHooks:
         faults = faults or FaultInjector()
-        return AveragingHooks(phase=timer.phase, round_finished=self.on_round, state_loaded=self.on_state_loaded,
+        return AveragingHooks(phase=timer.phase, round_finished=self.on_round,
+                              state_loaded=_both(faults.state_loaded, self.on_state_loaded),
                               contribution_dropped=self.on_dropped_contribution, peer_excluded=self.on_exclusion,
                               before_round=faults.before_round, guards_gradients=faults.guards_gradients,
-                              serve_state=faults.serve_state_hook(), state_checked=self.on_state_check,
+                              serve_state=faults.serve_state_hook(),
+                              state_checked=_both(faults.state_checked, self.on_state_check),
                               download_rejected=self.on_download_rejected, reducing_changed=self.on_reducing_changed,
                               contribution_accepted=self.credit.observed, round_length=self.on_round_length)
 
@@ -106,3 +109,10 @@ class RoundTally:
     def on_exclusion(self, peer_id: str) -> None:
         self.summary.excluded_peers.append(peer_id)
         self.observer.on_exclusion(peer_id)
+
+
+def _both(first: Callable[[T], None], then: Callable[[T], None]) -> Callable[[T], None]:
+    def call(value: T) -> None:
+        first(value)
+        then(value)
+    return call

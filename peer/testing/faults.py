@@ -14,7 +14,9 @@ points, so a test says what goes wrong and when, instead of patching private met
   steps (a stop request ends the stall): past the averaging timeout, the peer misses the next round;
 - `perturb_params_at_epoch`: after reporting that global epoch (or the first past it, where a download
   skipped it), every parameter moves by noise of
-  `perturb_scale` times its own scale: the peer drifts from the swarm without any round telling it.
+  `perturb_scale` times its own scale: the peer drifts from the swarm without any round telling it. A state
+  download that replaces the perturbed state before a digest comparison has found it apart (a failed round's,
+  under load) takes the drift with it: the next epoch perturbs again, until a comparison finds it.
 
 Each of those happens once. Two more are not faults but a test's control over the run:
 
@@ -109,7 +111,7 @@ class FaultInjector:
         self.plan = plan or FaultPlan()
         self.wait = wait  # a stop-aware sleep: a stop request ends a stall
         self._batches = 0
-        self._round_failed = self._stalled = self._perturbed = False
+        self._round_failed = self._stalled = self._perturbed = self._drift_found = False
         # a hostile peer's factor on every gradient (NaN: sent past its own guard)
         self._hostile_factor = float("nan") if self.plan.send_nan_gradients else self.plan.gradient_factor
         if self._hostile_factor is not None:
@@ -179,6 +181,17 @@ class FaultInjector:
         self._stalled = True
         logger.warning(f"injected fault: stalling {self.plan.stall_seconds:g}s after epoch {epoch}")
         self.wait(self.plan.stall_seconds)
+
+    def state_loaded(self, epoch: int) -> None:
+        """A download replaced this peer's state: a perturbation no comparison has found yet went with it."""
+        if self._perturbed and not self._drift_found:
+            logger.warning(f"injected fault: a download at epoch {epoch} replaced the perturbed state before the "
+                           f"digests found it; perturbing again after the next epoch")
+            self._perturbed = False
+
+    def state_checked(self, check) -> None:
+        if self._perturbed and not check.agrees:
+            self._drift_found = True
 
     def _perturb(self, epoch: int, parameters: Iterable[torch.Tensor]) -> None:
         import torch

@@ -1,7 +1,7 @@
 """One swarm, one state (averaging/swarm/digests.py): a peer that drifts is found apart by digest and brought
 back, and a donor that serves a corrupted state is refused by digest and excluded.
 
-One swarm of three: `honest`, `drifter` (its parameters perturbed after epoch 3, as a bit flip or a bug would)
+One swarm of three: `honest`, `drifter` (its parameters perturbed after epoch 10, as a bit flip or a bug would)
 and `liar` (trains honestly, serves its state negated, and claims to be a step ahead so that a downloading peer
 picks it first). Parameter averaging is off (--average-state-every 1000), so that nothing but a download can
 bring the drifter back.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -87,6 +88,22 @@ def test_the_parameters_move_once_at_the_planned_epoch_or_the_first_past_it_that
     assert not torch.equal(moved, torch.arange(8.0))
     faults.after_epoch(8, [parameter])
     assert torch.equal(parameter, moved)
+
+
+def test_a_drift_that_a_download_erased_before_the_digests_found_it_comes_back_until_they_do():
+    # CI under load: a failed round's download replaced the perturbed state, and no comparison ever saw a drift
+    parameter = torch.arange(8.0)
+    faults = FaultInjector(FaultPlan(perturb_params_at_epoch=5))
+    faults.after_epoch(5, [parameter])
+    faults.state_loaded(6)
+    parameter.copy_(torch.arange(8.0))  # what the download brought
+    faults.after_epoch(6, [parameter])
+    assert not torch.equal(parameter, torch.arange(8.0))  # perturbed again
+    faults.state_checked(SimpleNamespace(agrees=False))
+    faults.state_loaded(7)  # the resync the digests asked for
+    parameter.copy_(torch.arange(8.0))
+    faults.after_epoch(7, [parameter])
+    assert torch.equal(parameter, torch.arange(8.0))  # found once: it stays repaired
 
 
 @pytest.mark.parametrize("plan", [{"stall_seconds": -1}, {"nan_loss_at_steps": [0]}, {"stall_seconds": "inf"},
