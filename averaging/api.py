@@ -222,9 +222,12 @@ class SessionOptimizer(SwarmProgress, Protocol):
         """Whether its rounds average groups of the swarm, not all of it (--target-group-size): peers whose rounds
         were whole may still hold different states, so at their last epoch all of them take one peer's state."""
 
-    def await_state_comparison(self, timeout_seconds: float) -> None:
+    def await_state_comparison(self, timeout_seconds: float,
+                               expected_peers: Optional[Callable[[], int]] = None) -> None:
         """Where peers check state digests: wait (at most `timeout_seconds`) until this peer's state at its epoch
-        has been compared with the swarm's, so that `apart` tells (a peer leaving at its last epoch)."""
+        has been compared with every peer's it counts, so that `apart` tells (a peer leaving at its last epoch).
+        `expected_peers`: how many peers, this one included, may still publish a digest there, where the caller
+        knows better than the swarm's progress (a peer whose last round failed publishes none)."""
 
     def download_swarm_state(self) -> bool:
         """If this peer's state digest was found apart from the swarm's, download the swarm's state now, from a peer

@@ -56,18 +56,22 @@ class StateAgreement:
         """Compare with the swarm's digests as they are now (before a download: see DigestWatch.check_now)."""
         self.watch.check_now()
 
-    def await_comparison(self, epoch: int, timeout_seconds: float, poll_seconds: float = 0.2) -> bool:
-        """Wait until this peer's state at `epoch` has been compared with every peer it counts (at most
-        `timeout_seconds`; alone, not at all); whether it was compared with some.
+    def await_comparison(self, epoch: int, timeout_seconds: float,
+                         expected_peers: Optional[Callable[[], int]] = None, poll_seconds: float = 0.2) -> bool:
+        """Wait until this peer's state at `epoch` has been compared with every peer it counts, or with the
+        `expected_peers` (this one included) where that is fewer (at most `timeout_seconds`; alone, not at all);
+        whether it was compared with some.
 
         Not with the first peers to publish: at the last epoch, a peer that compared with the few there and left
         took a state that the peers after it outvoted (16 peers on one machine reach their last epoch up to a
         minute and a half apart)."""
-        if self.watch.expected_peers() <= 1:
-            return False
         deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline and not (self.book.compared_since(epoch)
-                                                   and self.book.compared_with_all(self.watch.expected_peers())):
+        while time.monotonic() < deadline:
+            peers = self.watch.expected_peers()
+            if expected_peers is not None:
+                peers = min(peers, expected_peers())
+            if peers <= 1 or (self.book.compared_since(epoch) and self.book.compared_with_all(peers)):
+                break
             time.sleep(poll_seconds)
         return self.book.compared_since(epoch)
 

@@ -79,9 +79,10 @@ class SharesState(ReportsProgress):
     def apart(self) -> bool:
         return self.rounds.apart or (self.agreement is not None and self.agreement.apart())
 
-    def await_state_comparison(self, timeout_seconds: float) -> None:
+    def await_state_comparison(self, timeout_seconds: float,
+                               expected_peers: Optional[Callable[[], int]] = None) -> None:
         if self.agreement is not None and not self.rounds.apart:  # apart by its rounds, it downloads anyway
-            self.agreement.await_comparison(self.local_epoch, timeout_seconds)
+            self.agreement.await_comparison(self.local_epoch, timeout_seconds, expected_peers)
 
     def download_swarm_state(self) -> bool:
         return self.agreement is not None and self.agreement.apart() and self.load_state_from_peers()

@@ -13,7 +13,7 @@ loads nothing, and no peer offers a final state when it leaves.
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from hivemind.optim.progress_tracker import ProgressTracker
 
@@ -108,7 +108,8 @@ class SoloOptimizer(ReportsProgress):
     def averages_after_epoch(self) -> bool:
         return False
 
-    def await_state_comparison(self, timeout_seconds: float) -> None:
+    def await_state_comparison(self, timeout_seconds: float,
+                               expected_peers: Optional[Callable[[], int]] = None) -> None:
         """No state to compare."""
 
     def download_swarm_state(self) -> bool:

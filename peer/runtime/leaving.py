@@ -164,6 +164,18 @@ def may_join_round_to(epoch: int, progress: Mapping[bytes, object], leaving: Map
                for owner, their_epoch in _current_epochs(progress, leaving, me).items())
 
 
+def may_publish_digest(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
+                       me: bytes) -> int:
+    """How many other peers may still publish a state digest for `epoch`, the last: those at it or one behind it (in
+    their last round), but not those that announced they download (a peer whose last round failed publishes its
+    digest only once it holds the final state, which may be this peer's: waiting for it, this peer kept it waiting
+    for an offer), are done at a lower epoch, or pause."""
+    return sum(1 for owner, their_epoch in _current_epochs(progress, leaving, me).items()
+               if their_epoch >= epoch - 1
+               and _announced(leaving.get(owner), their_epoch)[0] not in (DOWNLOADING, PAUSED)
+               and not (their_epoch < epoch and _announced(leaving.get(owner), their_epoch)[0] == DONE))
+
+
 def needs_of_others(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
                     me: bytes) -> Dict[bytes, Need]:
     """What every other peer with a progress record may still need from a peer leaving at `epoch`.

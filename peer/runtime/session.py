@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from typing import Callable, Dict, Iterable, Optional, Tuple
@@ -53,6 +54,7 @@ from peer.runtime.leaving import (
     leave_record,
     may_have_final_state,
     may_join_round_to,
+    may_publish_digest,
     needs_of_others,
 )
 
@@ -169,7 +171,8 @@ class SwarmSession:
         now = time.monotonic()
         stay_until, deadline = now + matchmaking, now + 3 * timeout + matchmaking
         # two groups of a split last round can each end it whole and still hold two states: the digests tell
-        self.optimizer.await_state_comparison(matchmaking + timeout + STATE_COMPARISON_SECONDS)
+        self.optimizer.await_state_comparison(matchmaking + timeout + STATE_COMPARISON_SECONDS,
+                                              expected_peers=lambda: self._peers_to_compare_with(epoch))
         # each group of a grouped round ends it whole with a state of its own: every peer is apart, and the one with
         # the smallest id offers the final state; a donor "ahead" may be any group's, so none is taken
         grouped = self.optimizer.averages_in_groups
@@ -264,6 +267,12 @@ class SwarmSession:
         records = self._recent_records()
         return records is not None and not may_join_round_to(epoch, *records, self.me,
                                                              at_epoch=self.optimizer.averages_after_epoch)
+
+    def _peers_to_compare_with(self, epoch: int) -> int:
+        """This peer and the others that may still publish a state digest for `epoch`, its last (as many as the
+        swarm counts, where the records could not be read)."""
+        records = self._recent_records()
+        return sys.maxsize if records is None else 1 + may_publish_digest(epoch, *records, self.me)
 
     def _recent_records(self) -> Optional[tuple]:
         """The progress and leave records, read from the DHT at most once a second; None if they could not be."""

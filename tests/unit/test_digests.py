@@ -1,6 +1,7 @@
 """State digests (averaging/swarm/digests.py): the swarm's state, who is apart, and which downloads are refused."""
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Dict, List
 
 import pytest
@@ -218,3 +219,23 @@ def test_a_record_keeps_the_newest_epochs_only(epochs):
         book.record(epoch, X)
     kept = book.record_value()["digests"]
     assert len(kept) == min(epochs, 16) and str(epochs - 1) in kept
+
+
+def test_a_leaving_peer_waits_only_for_the_digests_that_peers_may_still_publish(monkeypatch):
+    from averaging.strategies import agreement as module
+
+    clock, sleeps = FakeClock(), []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock.now += seconds
+    monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=clock, sleep=sleep))
+    dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: A))
+    agreement = module.StateAgreement(dht, "digests", hooks=None, defence=None, ttl_seconds=10.0)
+    agreement.watch.expected_peers = lambda: 3  # the swarm's progress still counts three
+    # the other two announced that they download (their last rounds failed): nothing to wait for
+    assert not agreement.await_comparison(5, timeout_seconds=30.0, expected_peers=lambda: 1)
+    assert sleeps == []
+    # one of them may still publish: wait for it, up to the timeout
+    assert not agreement.await_comparison(5, timeout_seconds=30.0, expected_peers=lambda: 2, poll_seconds=1.0)
+    assert sum(sleeps) == 30.0

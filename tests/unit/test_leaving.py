@@ -4,6 +4,7 @@ from __future__ import annotations
 from peer.runtime.leaving import (
     DONE,
     DOWNLOADING,
+    PAUSED,
     Need,
     Source,
     everyone_else_done,
@@ -14,6 +15,7 @@ from peer.runtime.leaving import (
     leave_record,
     may_have_final_state,
     may_join_round_to,
+    may_publish_digest,
     needs_of_others,
 )
 
@@ -182,3 +184,13 @@ def test_a_peer_one_epoch_behind_is_a_straggler_that_may_download_this_peers_sta
     assert has_peer_behind(10, {me: {"epoch": 10}, other: {"epoch": 9}}, me)
     assert not has_peer_behind(10, {me: {"epoch": 9}, other: {"epoch": 10}}, me)  # this peer's own record
     assert not has_peer_behind(10, {other: {"epoch": 8}}, me) and not has_peer_behind(10, {}, me)
+
+
+def test_the_last_epochs_digests_are_awaited_only_from_peers_that_may_still_publish_one():
+    # c: at the epoch; d: one behind, in its last round; a: downloading (its round failed: no digest until it holds
+    # the final state, maybe this peer's); b: far behind; e: paused; f: done at a lower --max-epochs
+    records = progress(me=10, a=10, b=7, c=10, d=9, e=10, f=9)
+    leaving = {A: leave_record(10, DOWNLOADING), b"e": leave_record(10, PAUSED), b"f": leave_record(9, DONE)}
+    assert may_publish_digest(10, records, leaving, ME) == 2
+    leaving[b"c"] = leave_record(10, DONE, offers=True)  # published before it offered
+    assert may_publish_digest(10, records, leaving, ME) == 2

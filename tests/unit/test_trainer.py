@@ -129,7 +129,7 @@ class FakeOptimizer:
     def load_state_from_donor_ahead(self) -> bool:
         return False
 
-    def await_state_comparison(self, timeout_seconds: float) -> None:
+    def await_state_comparison(self, timeout_seconds: float, expected_peers=None) -> None:
         self.calls.append("await_state_comparison")
 
     def download_swarm_state(self) -> bool:
