@@ -170,10 +170,12 @@ def may_publish_digest(epoch: int, progress: Mapping[bytes, object], leaving: Ma
     their last round), but not those that announced they download (a peer whose last round failed publishes its
     digest only once it holds the final state, which may be this peer's: waiting for it, this peer kept it waiting
     for an offer), are done at a lower epoch, or pause."""
-    return sum(1 for owner, their_epoch in _current_epochs(progress, leaving, me).items()
-               if their_epoch >= epoch - 1
-               and _announced(leaving.get(owner), their_epoch)[0] not in (DOWNLOADING, PAUSED)
-               and not (their_epoch < epoch and _announced(leaving.get(owner), their_epoch)[0] == DONE))
+    count = 0
+    for owner, their_epoch in _current_epochs(progress, leaving, me).items():
+        state, _ = _announced(leaving.get(owner), their_epoch)
+        done_below = their_epoch < epoch and state == DONE
+        count += their_epoch >= epoch - 1 and state not in (DOWNLOADING, PAUSED) and not done_below
+    return count
 
 
 def needs_of_others(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],

@@ -65,7 +65,8 @@ START_SETTLE_SECONDS = 2.0
 the others, polling every 0.25 s, to see it too."""
 STATE_COMPARISON_SECONDS = SETTLE_SECONDS + 2 * CHECK_SECONDS
 """How long past its last round's deadline a peer leaving at its last epoch waits for that epoch's digests to be
-compared with every peer's: a peer one epoch behind publishes its digest once its last round has ended."""
+compared with those of every peer that may still publish one: a peer one epoch behind publishes its digest once its
+last round has ended."""
 
 
 def earliest_start(own: Optional[float], announced: Iterable[object]) -> Optional[float]:
@@ -183,8 +184,8 @@ class SwarmSession:
         # a state downloaded at the last epoch may predate its donor's last parameter round (hivemind averages
         # parameters in the background and applies the result a step later): take the state a peer offers once its
         # rounds have landed, as a peer whose last round failed does (seen: a straggler ended 5e-4 apart); not one
-        # its digest showed to be the swarm's
-        copy = self.optimizer.downloaded_at_epoch == epoch and not repaired
+        # its digests showed to be the swarm's (repaired)
+        copy = self.optimizer.downloaded_at_epoch == epoch
         apart = not repaired and (last_round_outcome in APART or self.optimizer.apart or copy or grouped)
         # peers that finished first may have stopped reporting progress, but they still offer their state; with a
         # straggler behind, an offer at this epoch may be this peer's own state, served to it: then ask as below
