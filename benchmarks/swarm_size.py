@@ -17,7 +17,8 @@ and the benchmark reads what the peers wrote:
   checkpoint), and ``states``: how many distinct final states there are (bit for bit: their SHA-256);
   ``without_checkpoint``: the peers that wrote none (they failed early);
 - ``pss_mib_per_peer``: the proportional set size of each peer's processes (training, DHT, p2pd, averagers),
-  read once while every peer trains (after its first epoch), median over peers;
+  read once while every peer trains (after its first epoch), median over peers, plus an equal share of the
+  `peer swarm` process's own (the parent the peers are forked from, which holds the torch they share);
 - ``clock_warnings`` and ``asyncio_errors``: lines of the swarm's output that warn of a clock ahead or behind,
   and `Task exception was never retrieved` blocks from hivemind's internals;
 - ``group_sizes``: how many rounds averaged groups of each size, and ``distinct_groups``: how many different
@@ -110,8 +111,10 @@ async def run_swarm(work: Path, peers: int, max_epochs: int, peer_args: List[str
         deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
         while swarm.process.poll() is None and time.monotonic() < deadline:
             if not pss and min(last_epochs(ckpt, peers)) >= 1:  # every peer trains: read each one's memory once
+                parent_kib = common.process_memory_kib(swarm.process.pid).get("Pss") or 0
                 roots = psutil.Process(swarm.process.pid).children()
-                pss = [value for value in map(peer_tree_pss_mib, (root.pid for root in roots)) if value is not None]
+                pss = [round(value + parent_kib / 1024 / len(roots), 1)
+                       for value in map(peer_tree_pss_mib, (root.pid for root in roots)) if value is not None]
                 if pss:
                     log(f"{peers} peers: {median(pss):.0f} MiB PSS per peer (median of {len(pss)})")
             await asyncio.sleep(2.0)

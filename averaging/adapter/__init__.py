@@ -27,13 +27,16 @@ modules split out of the former averaging/hivemind_compat.py keep their history 
 - reducer.py: the robust reducer and all-reduce runner (hivemind's, screening each sender's part);
 - partition.py: error feedback's part container (hivemind's, over tensors plus residuals);
 - refusals.py: excluded peers refused in matchmaking and state sharing;
+- process_locks.py: hivemind's process-wide locks made anew in a peer forked from a parent that imported it
+  (`peer swarm`), so that peers never share them;
 - optimizer.py, state_averager.py: hivemind's Optimizer and TrainingStateAverager, with the overrides our
   strategies need (averaging/strategies/).
 """
 from averaging.adapter.epoch_keys import round_epoch
 from averaging.adapter.install import install
+from averaging.adapter.process_locks import make_own_locks
 from averaging.adapter.recorded_steps import open_rounds
 from averaging.adapter.upstream import PINNED_VERSION, UPSTREAM, HivemindIncompatible, changed_upstream
 
-__all__ = ["PINNED_VERSION", "UPSTREAM", "HivemindIncompatible", "changed_upstream", "install", "open_rounds",
-           "round_epoch"]
+__all__ = ["PINNED_VERSION", "UPSTREAM", "HivemindIncompatible", "changed_upstream", "install", "make_own_locks",
+           "open_rounds", "round_epoch"]

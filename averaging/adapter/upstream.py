@@ -117,6 +117,10 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
         ("cabf7da27882b293", "averaging/codecs/compression.py"),
     "hivemind.compression.serialization.deserialize_torch_tensor": ("74f1eed9fb9b7de3",
                                                                      "averaging/adapter/codec_registry.py"),
+    # the process-wide locks a forked peer makes anew (all three of them, and who takes them)
+    "hivemind.utils.mpfuture.MPFuture.reset_backend": ("06cd5e31b99b4f58", "averaging/adapter/process_locks.py"),
+    "hivemind.utils.asyncio._AsyncContextWrapper.get_process_wide_executor":
+        ("8776276b21fb8d8a", "averaging/adapter/process_locks.py"),
 }
 
 

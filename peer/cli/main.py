@@ -20,6 +20,7 @@ from peer.cli.preflight import check_before_start
 from peer.cli.status import status
 from peer.config import OPTIONS_BY_CLI
 from peer.exit_codes import ExitCode
+from peer.process.tensor_sharing import share_tensors_by_descriptor
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -35,6 +36,7 @@ def cli() -> None:
 @click.pass_context
 def start(ctx: click.Context, inject_faults: Optional[str], **params: Any) -> None:
     """Start a peer: join (or start) a swarm and train until stopped."""
+    share_tensors_by_descriptor()  # before hivemind is imported (checking a multiaddr imports it)
     config = resolve_config(ctx, params)
     faults = _fault_plan(inject_faults) if inject_faults is not None else None
     try:
@@ -72,14 +74,17 @@ def _fault_plan(value: str):
 def swarm(ctx: click.Context, num_peers: int, summary_dir: Optional[Path], gpus: Optional[str], **params: Any) -> None:
     """Start N peers on this machine: the first bootstraps, the rest join it; they wait for each other
     (--min-peers N) unless --min-peers says otherwise."""
+    from peer.cli.swarm import prepare_cpu_peers, run_local_swarm
+
+    if gpus is None:
+        prepare_cpu_peers(num_peers)  # before torch and hivemind are imported (checking a multiaddr imports them)
     config = resolve_config(ctx, params)
-    from peer.cli.swarm import run_local_swarm
 
     chosen = _chosen_gpus(ctx, gpus, num_peers) if gpus is not None else []
     count, args = len(chosen) or num_peers, _start_args(ctx)
     if "min_peers" not in config.averaging.model_fields_set:  # not given by flag, variable or file
         args += ["--min-peers", str(count)]  # else the first peer trains alone while the others start
-    ctx.exit(run_local_swarm(config, count, summary_dir, args, chosen))
+    ctx.exit(run_local_swarm(config, count, summary_dir, args, exit_code_of, chosen))
 
 
 def _chosen_gpus(ctx: click.Context, spec: str, num_peers: int) -> List[int]:
@@ -128,6 +133,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     except click.exceptions.Abort:
         code = 130  # the shell's convention for an interrupted command
     sys.exit(code or 0)
+
+
+def exit_code_of(argv: List[str]) -> int:
+    """Run `peer <argv>` in this process, as main() does; the code it would exit with (a preforked peer's)."""
+    try:
+        main(argv)
+    except SystemExit as e:  # main() always exits with a number
+        return e.code if isinstance(e.code, int) else 1
+    return 0
 
 
 # commands that live in their own modules

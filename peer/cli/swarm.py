@@ -2,19 +2,22 @@
 
 Built on the asyncio harness (peer/testing/) that the tests and benchmarks use. Peer 0 starts the
 swarm; the others are started once its events file says it is ready, and join it. Each peer is a
-`peer start` subprocess in its own session with its own checkpoint subdirectory, metrics port, events
-file and summary file; its output is prefixed with its name. With `--gpus`, one peer per GPU, each on
-its own (`--device cuda:N`); on the CPU, each with torch threads for its share of the cores. A signal
-to this process is passed on to every peer (a second one kills them), and every peer is told to stop
-(SIGTERM, via the parent-death signal) if this process dies.
+`peer start` process in its own session with its own checkpoint subdirectory, metrics port, events
+file and summary file; its output is prefixed with its name. On the CPU, the peers are forked from
+this process once it has imported torch and hivemind (peer/process/preforked.py), and each gets torch
+threads for its share of the cores. With `--gpus`, one peer per GPU, each a new program on its own
+(`--device cuda:N`). A signal to this process is passed on to every peer (a second one kills them),
+and every peer is told to stop (SIGTERM, via the parent-death signal) if this process dies.
 Exits non-zero if any peer failed.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -22,7 +25,10 @@ import click
 
 from peer.config import PeerConfig
 from peer.exit_codes import ExitCode
+from peer.process import preforked
 from peer.process.launcher import Peer, PeerFailed
+from peer.process.preforked import Preforked
+from peer.process.tensor_sharing import share_tensors_by_descriptor
 from peer.telemetry.events import Ready
 
 BOOTSTRAP_TIMEOUT_SECONDS = 180.0
@@ -39,10 +45,20 @@ def threads_per_peer(num_peers: int, cores: int) -> Dict[str, str]:
     return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
 
-def local_peer(config: PeerConfig, index: int, args: List[str], env: Dict[str, str]) -> Peer:
+def prepare_cpu_peers(num_peers: int) -> None:
+    """What torch and hivemind read as they are imported, set for the peers this process will fork: torch threads
+    for each peer's share of the cores, and tensors shared by descriptor. Call it before either is imported."""
+    if "torch" in sys.modules:
+        raise RuntimeError("torch was imported before the peers' threads were set: prepare the peers first")
+    os.environ.update(threads_per_peer(num_peers, len(os.sched_getaffinity(0))))
+    share_tensors_by_descriptor()
+
+
+def local_peer(config: PeerConfig, index: int, args: List[str], children: Sequence[Preforked]) -> Peer:
     name = f"peer-{index}"
-    return Peer(name, "start", args, config.checkpoint.checkpoint_dir, output=_prefixed(name), env=env,
-                events_path=events_path(config, index), die_with_parent=True).start()
+    return Peer(name, "start", args, config.checkpoint.checkpoint_dir, output=_prefixed(name),
+                events_path=events_path(config, index), die_with_parent=True,
+                preforked=children[index] if children else None).start()
 
 
 def _prefixed(name: str) -> Callable[[str], None]:
@@ -102,12 +118,31 @@ def peer_args(config: PeerConfig, base_args: List[str], index: int, summary_dir:
 
 
 def run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Optional[Path], base_args: List[str],
-                    gpus: Sequence[int] = ()) -> int:
-    return asyncio.run(_run_local_swarm(config, num_peers, summary_dir, base_args, gpus))
+                    command: preforked.Command, gpus: Sequence[int] = ()) -> int:
+    """On the CPU, every peer is forked from this process once it has imported torch and hivemind
+    (peer/process/preforked.py), and runs its `peer start` with `command`: they share those pages and skip the
+    import. A GPU peer starts as a new program: a process that has touched CUDA cannot fork a working child."""
+    children: List[Preforked] = []
+    if not gpus:  # prepare_cpu_peers() has run
+        from peer.cli import start  # noqa: F401 (torch, hivemind and all a peer imports before it is ready, shared)
+        children = preforked.prefork(num_peers, functools.partial(_forked_peer, command))
+    try:
+        return asyncio.run(_run_local_swarm(config, num_peers, summary_dir, base_args, gpus, children))
+    finally:
+        for child in children:
+            child.discard()  # those never launched (a stop came first)
+
+
+def _forked_peer(command: preforked.Command, argv: List[str]) -> int:
+    """A preforked child's `peer start`, with hivemind locks of its own (not shared with the other peers)."""
+    from averaging import adapter  # preloaded: torch must not be imported before the threads are set
+
+    adapter.make_own_locks()
+    return command(argv)
 
 
 async def _run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Optional[Path], base_args: List[str],
-                           gpus: Sequence[int]) -> int:
+                           gpus: Sequence[int], children: Sequence[Preforked]) -> int:
     peers: List[Peer] = []
     stopping = asyncio.Event()
 
@@ -129,8 +164,7 @@ async def _run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Opti
         config.checkpoint.checkpoint_dir.mkdir(parents=True, exist_ok=True)  # where the events files go by default
     except OSError:
         pass  # peer 0 refuses the directory in one line, and exits
-    env = {} if gpus else threads_per_peer(num_peers, len(os.sched_getaffinity(0)))  # a GPU peer's threads feed it
-    first = local_peer(config, 0, peer_args(config, base_args, 0, summary_dir, gpus), env)
+    first = local_peer(config, 0, peer_args(config, base_args, 0, summary_dir, gpus), children)
     peers.append(first)
     if config.dht.initial_peers:
         join = ["--initial-peers", ",".join(config.dht.initial_peers)]  # joining an existing swarm: everyone uses it
@@ -147,7 +181,8 @@ async def _run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Opti
     for index in range(1, num_peers):
         if stopping.is_set():
             break
-        peers.append(local_peer(config, index, peer_args(config, base_args, index, summary_dir, gpus) + join, env))
+        peers.append(local_peer(config, index, peer_args(config, base_args, index, summary_dir, gpus) + join,
+                                children))
     return await _wait_all(peers)
 
 

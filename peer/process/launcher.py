@@ -7,7 +7,6 @@ and says what it waited for; a process that exits while awaited fails the wait a
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import subprocess
@@ -16,29 +15,25 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Sequence, Type, TypeVar
+from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Sequence, Type, TypeVar, Union
 
 import psutil
 
+from peer.process import lifeline
+from peer.process.preforked import ForkedProcess, Preforked
 from peer.telemetry.events import Event, Exited, Ready, latest_epoch, read_events
 
-if TYPE_CHECKING:  # torch is imported where a checkpoint is read: `peer swarm` runs without it
+if TYPE_CHECKING:  # torch is imported only where a checkpoint is read: the harness runs without it
     import torch
 
 POLL_SECONDS = 0.1
 KILL_WAIT_SECONDS = 10.0
 RECENT_OUTPUT_LINES = 200
 RELAY_DRAIN_SECONDS = 1.0  # a child that outlived the process may hold its output open: wait no longer
-PR_SET_PDEATHSIG = 1
 EVENT_WRITERS = ("start", "bootstrap")  # the commands that take --events
 
 E = TypeVar("E", bound=Event)
 T = TypeVar("T")
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it (a graceful stop) if the process that started it dies."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class PeerFailed(AssertionError):
@@ -51,21 +46,25 @@ class Peer:
     def __init__(self, name: str, command: str, args: Sequence[str], workdir: Path,
                  env: Optional[Dict[str, str]] = None, prefix: Sequence[str] = (), *, events: bool = True,
                  output: Optional[Callable[[str], None]] = None, events_path: Optional[Path] = None,
-                 die_with_parent: bool = False):
+                 die_with_parent: bool = False, preforked: Optional[Preforked] = None):
         """
         :param prefix: what the command runs under, such as `ip netns exec NAME` or `taskset -c 0`
         :param events: pass --events (`peer start` and `peer bootstrap` write them; other commands do not)
         :param output: called with each line the process prints, instead of writing <workdir>/<name>.log
         :param die_with_parent: the process gets SIGTERM (a graceful stop) if this one dies
+        :param preforked: run the command in this child, forked with torch and hivemind already imported
+            (peer/process/preforked.py), instead of a new program; it needs `output`, and starts once
         """
+        if preforked is not None and (output is None or prefix):
+            raise ValueError("a preforked peer relays its output to a callback and runs under no prefix")
         self.name, self.command, self.args = name, command, list(args)
         self.workdir, self.prefix = workdir, list(prefix)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.events_path = (events_path or workdir / f"{name}.events.jsonl") if events else None
         self.log_path = workdir / f"{name}.log"
         self.checkpoint_dir = workdir / name
-        self.output, self.die_with_parent = output, die_with_parent
-        self.process: Optional[subprocess.Popen] = None
+        self.output, self.die_with_parent, self.preforked = output, die_with_parent, preforked
+        self.process: Optional[Union[subprocess.Popen, ForkedProcess]] = None
         self._left_behind: List[psutil.Process] = []  # its session's other processes when its exit was collected
         self._exit_seen = False
         self._recent_output: Deque[str] = deque(maxlen=RECENT_OUTPUT_LINES)  # when relayed: for failure messages
@@ -81,16 +80,20 @@ class Peer:
             raise RuntimeError(f"{self.name} is still running")
         self._refresh()
         self._events = []  # the events file is appended to: what an earlier life wrote stays behind the offset
-        command = [*self.prefix, sys.executable, "-m", "peer", self.command, *self.args]
+        argv = [self.command, *self.args]
         if self.events_path is not None:
-            command += ["--events", str(self.events_path)]
+            argv += ["--events", str(self.events_path)]
         options = dict(stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd(), env=self.env,
-                       start_new_session=True, preexec_fn=_die_with_parent if self.die_with_parent else None)
-        if self.output is None:
+                       start_new_session=True, preexec_fn=lifeline.die_with_parent if self.die_with_parent else None)
+        command = [*self.prefix, sys.executable, "-m", "peer", *argv]
+        if self.preforked is not None:
+            self.process = self.preforked.launch(argv, self.env)  # its own session, and it dies with this one
+        elif self.output is None:
             with open(self.log_path, "a") as log:
                 self.process = subprocess.Popen(command, stdout=log, **options)
         else:
             self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1, **options)
+        if self.output is not None:
             self._relay = threading.Thread(target=self._relay_output, args=(self.process,),
                                            name=f"{self.name}-output", daemon=True)
             self._relay.start()
@@ -110,7 +113,7 @@ class Peer:
             self._left_behind = session_processes(self.process.pid)
         return code
 
-    def _relay_output(self, process: subprocess.Popen) -> None:
+    def _relay_output(self, process: Union[subprocess.Popen, ForkedProcess]) -> None:
         for line in process.stdout:
             line = line.rstrip("\n")
             self._recent_output.append(line)
@@ -182,7 +185,7 @@ class Peer:
         self.start()
         return await self.ready(timeout)
 
-    def _running_process(self) -> subprocess.Popen:
+    def _running_process(self) -> Union[subprocess.Popen, ForkedProcess]:
         if self.process is None:
             raise RuntimeError(f"{self.name} was never started")
         return self.process

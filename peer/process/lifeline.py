@@ -8,6 +8,7 @@ and exits. This module must not be imported for its side effects: call install()
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
@@ -16,7 +17,13 @@ import time
 import psutil
 
 POLL_SECONDS = 0.5
+PR_SET_PDEATHSIG = 1
 _installed = False
+
+
+def die_with_parent() -> None:
+    """From now on, this process gets SIGTERM (a graceful stop) if the process that started it dies."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def install() -> None:

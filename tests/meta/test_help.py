@@ -54,8 +54,9 @@ def test_commands_that_read_a_swarm_describe_initial_peers_as_such(command):
 
 
 def test_help_and_the_local_swarm_launcher_run_without_torch():
-    """torch (with hivemind) costs seconds of CPU to import: `peer --help` and `peer swarm`, which only starts
-    `peer start` processes, must not pay it (a fresh interpreter: this one imported torch long ago)."""
+    """torch (with hivemind) costs seconds of CPU to import: `peer --help` must not pay it, nor the launcher's
+    modules (`peer swarm` imports torch itself, once it has set the threads of the CPU peers it forks), checked in a
+    fresh interpreter: this one imported torch long ago."""
     check = ("import sys; from peer.cli.main import cli; import peer.cli.swarm, peer.testing; "
              "print(sorted(name for name in ('torch', 'hivemind') if name in sys.modules))")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)

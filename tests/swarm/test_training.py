@@ -198,6 +198,8 @@ async def test_sigkill_leaves_no_orphans(tmp_path: Path):
         children = [proc for proc in peer.session_processes() if proc.pid != peer.pid]
         assert any("p2pd" in " ".join(child.cmdline()) for child in children), "expected a p2pd child"
         assert len(children) >= 4  # DHT process, p2pd, two averagers, data workers
+        # tensors are shared by descriptor (peer/process/tensor_sharing.py): no shared-memory manager
+        assert not [child for child in children if child.name() == "torch_shm_manager"], children
 
         peer.send(signal.SIGKILL)  # the peer alone: its children must notice and exit by themselves
         await peer.exit_code(timeout=10)

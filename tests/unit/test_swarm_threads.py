@@ -1,6 +1,11 @@
 """`peer swarm` gives each peer torch threads for its share of the cores, unless the user chose them."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 from peer.cli.swarm import threads_per_peer
 
 
@@ -14,3 +19,26 @@ def test_each_peer_gets_its_share_of_the_cores_and_at_least_one_thread(monkeypat
 def test_the_users_choice_of_threads_stands(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert threads_per_peer(16, 2) == {}
+
+
+def in_new_process(code: str) -> subprocess.CompletedProcess:
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HIVEMIND_MEMORY_SHARING_STRATEGY")}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_the_cpu_peers_a_swarm_forks_get_their_threads_and_share_tensors_by_descriptor():
+    """torch and hivemind read these as they are imported, and the peers inherit what the swarm process imported."""
+    result = in_new_process(
+        "import json, os\nfrom peer.cli.swarm import prepare_cpu_peers\n"
+        "prepare_cpu_peers(4 * len(os.sched_getaffinity(0)))\n"
+        "import hivemind, torch, torch.multiprocessing\n"
+        "print(json.dumps([torch.get_num_threads(), torch.multiprocessing.get_sharing_strategy()]))")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [1, "file_descriptor"]
+
+
+def test_preparing_the_peers_after_torch_was_imported_is_refused():
+    result = in_new_process("import torch\nfrom peer.cli.swarm import prepare_cpu_peers\nprepare_cpu_peers(2)")
+    assert result.returncode != 0
+    assert "torch was imported before the peers' threads were set" in result.stderr

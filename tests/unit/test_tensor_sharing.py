@@ -1,0 +1,39 @@
+"""A peer shares tensors by file descriptor (no torch_shm_manager), unless the environment names a strategy, and
+may hold as many open files as the hard limit allows (peer/process/tensor_sharing.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+CHECK = """
+import json, resource
+from peer.process.tensor_sharing import share_tensors_by_descriptor
+share_tensors_by_descriptor()
+import hivemind, torch.multiprocessing
+print(json.dumps({"strategy": torch.multiprocessing.get_sharing_strategy(),
+                  "limits": resource.getrlimit(resource.RLIMIT_NOFILE)}))
+"""
+
+
+def sharing_in_new_process(env: dict) -> dict:
+    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def without_strategy() -> dict:
+    return {name: value for name, value in os.environ.items() if name != "HIVEMIND_MEMORY_SHARING_STRATEGY"}
+
+
+def test_tensors_are_shared_by_descriptor_with_the_soft_limit_of_open_files_raised():
+    found = sharing_in_new_process(without_strategy())
+    assert found["strategy"] == "file_descriptor"  # hivemind alone would set file_system
+    soft, hard = found["limits"]
+    assert soft == hard
+
+
+def test_a_strategy_the_user_set_stands():
+    found = sharing_in_new_process({**without_strategy(), "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_system"})
+    assert found["strategy"] == "file_system"
