@@ -144,7 +144,11 @@ ADAPTER = ROOT / "averaging" / "adapter"
 # The one exception, by file and attribute. dht/ lies below averaging/ in the layers, so it cannot reach the
 # adapter, and it must point hivemind's unix sockets at a directory of its own before the first DHT starts:
 # hivemind has no parameter for that, only this class attribute (a setting, no code of hivemind's replaced).
-OUTSIDE_THE_ADAPTER = {("dht/sockets.py", "touches hivemind's ._UNIX_SOCKET_PREFIX")}
+OUTSIDE_THE_ADAPTER = {
+    ("dht/sockets.py", "touches hivemind's ._UNIX_SOCKET_PREFIX"),
+    # threading._shutdown, the standard library's, whose name hivemind also defines: what a forked peer runs at exit
+    ("peer/process/preforked.py", "touches hivemind's ._shutdown"),
+}
 
 
 def our_modules() -> List[Path]:
