@@ -12,9 +12,10 @@ forked processes share (torch's libraries, the model) once per process, and over
 
 Each process is named by its place in the session: ``training`` (the `peer start` process), ``p2pd`` (libp2p's
 daemon), ``dht`` (the process that started p2pd), ``shm_manager`` (torch's shared-memory manager, which hivemind's
-file_system sharing starts), ``averager`` (hivemind's averagers run in processes of their own, each with an event
-loop and a dozen threads) and ``data_worker`` (a DataLoader worker: the other children, with a few threads; their
-count is checked against --data-workers).
+file_system sharing starts: a peer shares by descriptor unless HIVEMIND_MEMORY_SHARING_STRATEGY says otherwise),
+``averager`` (hivemind's averagers run in processes of their own, each with an event loop and a dozen threads) and
+``data_worker`` (a DataLoader worker: the other children, with a few threads; their count is checked against
+--data-workers).
 
 Usage (from the repository root)::
 

@@ -30,7 +30,9 @@ def start_shared_memory_manager() -> None:
     request), under torch's file_system strategy, and torch starts a manager process on the
     first one. A signal with a Python handler that arrives during that start leaves torch
     2.13 spinning in start_manager at 100% CPU forever (seen: a peer stopped right after
-    start-up never exited). Started here, a signal at that moment still has its default action.
+    start-up never exited). Started here, a signal at that moment still has its default action. A peer shares by
+    file descriptor (peer/process/tensor_sharing.py), which starts no manager: this matters where the environment
+    asks for file_system.
     """
     from hivemind.utils.mpfuture import SharedBytes
 

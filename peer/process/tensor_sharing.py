@@ -20,4 +20,7 @@ def share_tensors_by_descriptor() -> None:
     os.environ.setdefault(STRATEGY_VARIABLE, "file_descriptor")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a hard limit the kernel refuses as a soft one (unlimited): keep the soft
+            pass

@@ -153,7 +153,8 @@ def test_the_child_output_is_read_a_line_at_a_time():
 def test_a_forked_peer_has_hivemind_locks_of_its_own():
     """hivemind makes its result lock as it is imported. The parent here holds it for good, as a peer killed while
     holding it would. A child that shares it never gets a result from its own subprocess (the hazard, shown so that
-    this test can fail); a child started as `peer swarm` starts its peers makes its own, and gets the result."""
+    this test can fail); a child started as `peer swarm` starts its peers makes its own, and gets the result. The
+    command line is how long to wait for it."""
     result = run_parent("""
         import functools
         import multiprocessing as mp
@@ -165,7 +166,7 @@ def test_a_forked_peer_has_hivemind_locks_of_its_own():
             sender = mp.get_context("fork").Process(target=future.set_result, args=(42,), daemon=True)
             sender.start()
             try:
-                return 0 if future.result(timeout=5) == 42 else 1
+                return 0 if future.result(timeout=float(argv[0])) == 42 else 1
             except TimeoutError:
                 return 3
             finally:
@@ -176,8 +177,9 @@ def test_a_forked_peer_has_hivemind_locks_of_its_own():
         (own,) = preforked.prefork(1, functools.partial(_forked_peer, round_trip))
         MPFuture._update_lock.acquire()
         codes = {}
-        for name, child in (("sharing", sharing), ("own", own)):
-            process = child.launch(["-"], dict(os.environ))
+        # the sharing child can never get its result: 5 s show it; the other one gets it as soon as it comes
+        for name, child, wait in (("sharing", sharing, "5"), ("own", own, "60")):
+            process = child.launch([wait], dict(os.environ))
             finish(process)
             codes[name] = process.returncode
         print(json.dumps(codes))
