@@ -83,22 +83,26 @@ class Peer:
         argv = [self.command, *self.args]
         if self.events_path is not None:
             argv += ["--events", str(self.events_path)]
-        options = dict(stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd(), env=self.env,
-                       start_new_session=True, preexec_fn=lifeline.die_with_parent if self.die_with_parent else None)
-        command = [*self.prefix, sys.executable, "-m", "peer", *argv]
         if self.preforked is not None:
             self.process = self.preforked.launch(argv, self.env)  # its own session, and it dies with this one
-        elif self.output is None:
-            with open(self.log_path, "a") as log:
-                self.process = subprocess.Popen(command, stdout=log, **options)
         else:
-            self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1, **options)
+            self.process = self._new_program(argv)
         if self.output is not None:
             self._relay = threading.Thread(target=self._relay_output, args=(self.process,),
                                            name=f"{self.name}-output", daemon=True)
             self._relay.start()
         self._left_behind, self._exit_seen = [], False
         return self
+
+    def _new_program(self, argv: List[str]) -> subprocess.Popen:
+        """`peer <argv>` as a new program in its own session, its output to the log file or to a pipe."""
+        command = [*self.prefix, sys.executable, "-m", "peer", *argv]
+        options = dict(stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=os.getcwd(), env=self.env,
+                       start_new_session=True, preexec_fn=lifeline.die_with_parent if self.die_with_parent else None)
+        if self.output is None:
+            with open(self.log_path, "a") as log:
+                return subprocess.Popen(command, stdout=log, **options)
+        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1, **options)
 
     def _poll(self) -> Optional[int]:
         """Its exit code, or None while it runs.

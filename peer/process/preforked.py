@@ -32,9 +32,9 @@ Command = Callable[[List[str]], int]  # runs `peer <argv>` in this process: its 
 
 class ForkedProcess:
     """A forked child, as much of subprocess.Popen as the launcher uses: pid, returncode, poll, send_signal,
-    stdout (its output, when the parent reads it)."""
+    stdout (its output)."""
 
-    def __init__(self, pid: int, stdout: Optional[io.TextIOBase]):
+    def __init__(self, pid: int, stdout: io.TextIOBase):
         self.pid, self.stdout = pid, stdout
         self.returncode: Optional[int] = None
 
@@ -83,7 +83,7 @@ class Preforked:
         Preforked._parent_ends.discard(self._command_write)
 
     def launch(self, argv: Sequence[str], env: Dict[str, str]) -> ForkedProcess:
-        """Run `peer <argv>` in the child, with `env` as its environment."""
+        """Run `argv` in the child with its `command`, with `env` as its environment and this directory."""
         if self._used:
             raise RuntimeError("a preforked child runs one command: fork another")
         self._release_command_pipe()
