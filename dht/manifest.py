@@ -20,7 +20,7 @@ import hivemind
 from dht.records import RunManifest, read_live
 from dht.run_owner import fingerprint, is_signed
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Raise it whenever peers of two versions of this daemon can no longer train together, or read each other's
 records (2: PeerInfo carries val_loss, a field the schema of version 1 refuses; 3: int8 and int4 reducers reply
 in dense fp16, and topk messages may carry int8 values, which version 2 decodes as garbage; 4: a
@@ -31,7 +31,8 @@ ones are not read; 7: int8, int4 and topk reducers reply in their own codec, whi
 fp16, and topk messages carry indices within chunks; 8: peers look for a group under a key that names the epoch
 their round leads to, and never meet version 7's peers, who look under the averager's bare key; 9: optimizer state is
 made without a counted step (averaging/adapter/fresh_optimizer.py), so a version 8 peer's Adam step counts run one
-ahead and its state digest never agrees)."""
+ahead and its state digest never agrees; 10: a digest record says whether its peer serves its state, a field that
+version 9's schema refuses, and version 9's records lack)."""
 MANIFEST_TTL_SECONDS = 600.0
 """How long a copy lives after its holder last refreshed it: a swarm that pauses briefly keeps its manifest."""
 REFRESH_PERIOD_SECONDS = 60.0

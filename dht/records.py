@@ -153,6 +153,9 @@ class StateDigests(BaseModel):
     """Its libp2p peer id (base58): which donor serves this state."""
     digests: Dict[constr(strict=True, regex=r"^[0-9]{1,12}$"), _DIGEST_HEX]
     """By epoch (as text: the DHT's msgpack keeps dict keys as they are, and JSON would not)."""
+    serves: StrictBool = True
+    """Whether it serves its state to peers that download it (a client-mode peer cannot): a tie goes to a state
+    that a peer apart from it can download."""
 
     @validator("digests")
     def _few_epochs(cls, value: dict) -> dict:  # noqa: N805 (pydantic's signature)

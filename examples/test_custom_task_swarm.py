@@ -11,6 +11,8 @@ directory you run pytest in).
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from peer.telemetry.events import EpochEnded
@@ -31,6 +33,8 @@ async def test_two_peers_train_the_custom_task_to_the_same_weights(tmp_path):
 
         for peer in (first, second):
             val_losses = [event.val_loss for event in peer.events if isinstance(event, EpochEnded)]
-            assert val_losses[-1] < val_losses[0], val_losses  # it learns
+            # it learns: a model that cannot tell the spirals apart scores ln 2. Five large-batch steps reach the
+            # first plateau (about 0.6) in one or two, and then wander on it, so the last epoch need not beat the first
+            assert val_losses[-1] < math.log(2), val_losses
         # they averaged every epoch, so they end with the same weights
         assert max_parameter_difference(first.model_state(), second.model_state()) <= 1e-5

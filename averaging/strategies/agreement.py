@@ -38,8 +38,9 @@ class StateAgreement:
         self.watch = DigestWatch(self.book, dht, key, expected_peers=lambda: 1, ttl_seconds=ttl_seconds)
         self.select = slice(None)
 
-    def start(self, select: slice, expected_peers: Callable[[], int]) -> None:
-        self.select, self.watch.expected_peers = select, expected_peers
+    def start(self, select: slice, expected_peers: Callable[[], int], serves: Callable[[], bool]) -> None:
+        """:param serves: whether this peer serves its state now (on a tie, a state nobody can download loses)"""
+        self.select, self.watch.expected_peers, self.book.serves = select, expected_peers, serves
         self.watch.start()
 
     def record(self, epoch: int, digest: str) -> None:
@@ -51,6 +52,10 @@ class StateAgreement:
 
     def state_left_behind(self, epoch: int) -> None:
         self.book.state_left_behind(epoch)
+
+    def forgive_unpublished(self) -> None:
+        """Before a final state's download: donors refused for want of a digest may be asked again."""
+        self.book.forgive_unpublished()
 
     def refresh(self) -> None:
         """Compare with the swarm's digests as they are now (before a download: see DigestWatch.check_now)."""
@@ -66,13 +71,17 @@ class StateAgreement:
         took a state that the peers after it outvoted (16 peers on one machine reach their last epoch up to a
         minute and a half apart)."""
         deadline = time.monotonic() + timeout_seconds
-        while time.monotonic() < deadline:
-            peers = self.watch.expected_peers()
-            if expected_peers is not None:
-                peers = min(peers, expected_peers())
-            if peers <= 1 or (self.book.compared_since(epoch) and self.book.compared_with_all(peers)):
-                break
-            time.sleep(poll_seconds)
+        counted = self.watch.expected_peers
+        if expected_peers is not None:  # the watch compares once these have published, not every peer it counts
+            self.watch.expected_peers = lambda: min(counted(), expected_peers())
+        try:
+            while time.monotonic() < deadline:
+                peers = self.watch.expected_peers()
+                if peers <= 1 or (self.book.compared_since(epoch) and self.book.compared_with_all(peers)):
+                    break
+                time.sleep(poll_seconds)
+        finally:
+            self.watch.expected_peers = counted
         return self.book.compared_since(epoch)
 
     def check_download(self, metadata: dict, tensors: List[torch.Tensor]) -> None:

@@ -343,7 +343,7 @@ class DiLoCoOptimizer(SharesState):
     def _round_finished(self, report: RoundReport) -> None:
         # the outer state of this epoch is final; others may have averaged without us: then take their state
         self._record_state()
-        self.rounds.finish_round(report, others_present=self._others_present())
+        self.rounds.finish_round(report, others_present=self._others_present(), swarm_peers=self._round_should_gather())
         self._after_round()
 
     def _land(self) -> None:

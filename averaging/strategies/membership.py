@@ -79,6 +79,10 @@ class SharesState(ReportsProgress):
     def apart(self) -> bool:
         return self.rounds.apart or (self.agreement is not None and self.agreement.apart())
 
+    def _round_should_gather(self) -> Optional[int]:
+        """How many peers each round should gather: every peer the swarm counts (None for grouped rounds)."""
+        return None if self.averages_in_groups else self.tracker.global_progress.num_peers
+
     def await_state_comparison(self, timeout_seconds: float,
                                expected_peers: Optional[Callable[[], int]] = None) -> None:
         if self.agreement is not None and not self.rounds.apart:  # apart by its rounds, it downloads anyway
@@ -110,6 +114,8 @@ class SharesState(ReportsProgress):
         return offered
 
     def download_final_state(self) -> bool:
+        if self.agreement is not None:  # the offer it downloads was published with its digest
+            self.agreement.forgive_unpublished()
         self._held_offer = max(self._held_offer, self._best_final_offer())
         return self.load_state_from_peers()  # hivemind takes the best-ranked donor first
 
@@ -143,7 +149,8 @@ class SharesState(ReportsProgress):
         self.agreement = agreement
         if agreement is not None:
             self.state_averager.check_download = agreement.check_download
-            agreement.start(select, expected_peers=lambda: self.tracker.global_progress.num_peers)
+            agreement.start(select, expected_peers=lambda: self.tracker.global_progress.num_peers,
+                            serves=lambda: self.state_averager.allow_state_sharing)
 
     def _refresh_donors(self) -> None:
         """Before each download attempt: refuse as donors the peers apart from the swarm's state now, not those of

@@ -19,6 +19,8 @@
   swarm's progress: no peer can finish another round that soon (a round takes a matchmaking window), so
   a swarm already ahead then means this peer is out of step, and it downloads.
 - Deadlines: with 'auto', they are chosen again after every epoch from the swarm's rate.
+- Split rounds: SHORT_ROUNDS_WARNING averaged rounds in a row whose groups fell short of the peers the
+  swarm counts make the peer say, once, that the matchmaking window is too short for the swarm.
 - Exclusion: the watch that turns reducers' verdicts into excluded peers runs as long as the rounds.
 - Role: a peer whose contribution its group's reducers left out as late stands aside from reducing parts for
   others until its contributions arrive in time again (averaging/pipeline/stragglers.py ReducerRole); the
@@ -49,6 +51,7 @@ DOWNLOAD_BACKOFF_SECONDS = (2.0, 60.0)
 DONOR_CHECK_SECONDS = 0.5  # a pending resync reads the DHT's donors at most this often
 SETTLE_SECONDS = 0.5  # after its own transition, a peer checks this much later that the swarm is not ahead
 FRESH_READ_SECONDS = 2.0  # how long that check waits for a fresh read of the swarm's progress
+SHORT_ROUNDS_WARNING = 3
 
 
 class RoundKeeper:
@@ -65,6 +68,7 @@ class RoundKeeper:
         self._next_donor_check = float("-inf")
         self._settled_check_at: Optional[float] = None
         self._failed_downloads, self._next_download_at = 0, float("-inf")
+        self._short_rounds, self._warned_short = 0, False
         self.downloaded_at_epoch: Optional[int] = None  # the epoch of the last state this peer downloaded
         self.role = ReducerRole()
         self.clock = time.monotonic
@@ -99,11 +103,24 @@ class RoundKeeper:
             return self.hooks.phase(name)
         return nullcontext()
 
-    def finish_round(self, report: RoundReport, others_present: bool) -> None:
-        """Record a round's outcome; `others_present`: whether other peers may have averaged without this one."""
+    def finish_round(self, report: RoundReport, others_present: bool, swarm_peers: Optional[int] = None) -> None:
+        """Record a round's outcome; `others_present`: whether other peers may have averaged without this one;
+        `swarm_peers`: how many peers the swarm counts, where each round should gather all of them."""
         self.note_apart(report, others_present)
         self.deadlines.observe_round(report.outcome, report.seconds)
+        if swarm_peers is not None and report.outcome in ("ok", "partial"):
+            self._observe_group(report.group_size, swarm_peers)
         self.report(report)
+
+    def _observe_group(self, group_size: int, swarm_peers: int) -> None:
+        self._short_rounds = self._short_rounds + 1 if group_size < swarm_peers else 0
+        if self._short_rounds >= SHORT_ROUNDS_WARNING and not self._warned_short:
+            self._warned_short = True
+            window = self.deadlines.current.matchmaking_seconds
+            logger.warning(f"the last {self._short_rounds} averaging rounds each gathered fewer peers than the "
+                           f"swarm counts (this one {group_size} of {swarm_peers}): the peers reach the end of an "
+                           f"epoch further apart than the matchmaking window ({window:g}s) and average in separate "
+                           f"groups, whose states then have to be repaired by download; raise --matchmaking-seconds")
 
     def report(self, report: RoundReport) -> None:
         """A round to report (local-sgd's parameter rounds come here directly): its outcome, and what its timing

@@ -226,7 +226,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
                     logger.warning(f"averaging round {report.outcome} ({report.reason}); using local gradients")
                 use_local()
         # if others averaged without us, take their state instead of drifting apart
-        self.rounds.finish_round(report, others_present=self._others_present())
+        self.rounds.finish_round(report, others_present=self._others_present(), swarm_peers=self._round_should_gather())
 
     def _state_round_finished(self, report: RoundReport) -> None:
         """A parameter-averaging round that undoes drift; a peer left out of one is apart from its group."""

@@ -20,6 +20,7 @@ from peer.cli.preflight import check_before_start
 from peer.cli.status import status
 from peer.config import OPTIONS_BY_CLI
 from peer.exit_codes import ExitCode
+from peer.process.p2p_daemon_heap import bound_p2p_daemon_heap
 from peer.process.tensor_sharing import share_tensors_by_descriptor
 
 
@@ -37,6 +38,7 @@ def cli() -> None:
 def start(ctx: click.Context, inject_faults: Optional[str], **params: Any) -> None:
     """Start a peer: join (or start) a swarm and train until stopped."""
     share_tensors_by_descriptor()  # before hivemind is imported (checking a multiaddr imports it)
+    bound_p2p_daemon_heap()
     config = resolve_config(ctx, params)
     faults = _fault_plan(inject_faults) if inject_faults is not None else None
     try:

@@ -27,6 +27,7 @@ from peer.config import PeerConfig
 from peer.exit_codes import ExitCode
 from peer.process import preforked
 from peer.process.launcher import Peer, PeerFailed
+from peer.process.p2p_daemon_heap import bound_p2p_daemon_heap
 from peer.process.preforked import Preforked
 from peer.process.tensor_sharing import share_tensors_by_descriptor
 from peer.telemetry.events import Ready
@@ -47,11 +48,13 @@ def threads_per_peer(num_peers: int, cores: int) -> Dict[str, str]:
 
 def prepare_cpu_peers(num_peers: int) -> None:
     """What torch and hivemind read as they are imported, set for the peers this process will fork: torch threads
-    for each peer's share of the cores, and tensors shared by descriptor. Call it before either is imported."""
+    for each peer's share of the cores, and tensors shared by descriptor; and the garbage each peer's p2pd keeps. Call
+    it before either is imported."""
     if "torch" in sys.modules:
         raise RuntimeError("torch was imported before the peers' threads were set: prepare the peers first")
     os.environ.update(threads_per_peer(num_peers, len(os.sched_getaffinity(0))))
     share_tensors_by_descriptor()
+    bound_p2p_daemon_heap()
 
 
 def local_peer(config: PeerConfig, index: int, args: List[str], children: Sequence[Preforked]) -> Peer:
@@ -124,13 +127,22 @@ def run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Optional[Pa
     import. A GPU peer starts as a new program: a process that has touched CUDA cannot fork a working child."""
     children: List[Preforked] = []
     if not gpus:  # prepare_cpu_peers() has run
-        from peer.cli import start  # noqa: F401 (torch, hivemind and all a peer imports before it is ready, shared)
+        preload_peer_modules()
         children = preforked.prefork(num_peers, functools.partial(_forked_peer, command))
     try:
         return asyncio.run(_run_local_swarm(config, num_peers, summary_dir, base_args, gpus, children))
     finally:
         for child in children:
             child.discard()  # those never launched (a stop came first)
+
+
+def preload_peer_modules() -> None:
+    """Import here what a forked peer imports before it trains: the peers share these pages instead of each
+    importing its own copy (seconds of CPU each, while the others start too, and memory of its own)."""
+    # torch imports its compiler lazily, in every optimizer's constructor: 2 CPU seconds a peer on this machine
+    import torch._dynamo  # noqa: F401
+
+    from peer.cli import start  # noqa: F401 (torch, hivemind and the peer's own modules)
 
 
 def _forked_peer(command: preforked.Command, argv: List[str]) -> int:

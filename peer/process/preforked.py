@@ -14,7 +14,6 @@ Not for CUDA: a process that has touched a GPU cannot fork a working child.
 from __future__ import annotations
 
 import atexit
-import gc
 import io
 import json
 import os
@@ -24,6 +23,7 @@ import traceback
 from typing import Callable, Dict, List, Optional, Sequence, Set
 
 from peer.process import lifeline
+from peer.process.fork_sharing import freeze_before_fork
 
 COMMAND_LIMIT_BYTES = 1 << 20
 
@@ -111,9 +111,7 @@ def prefork(count: int, command: Command) -> List[Preforked]:
     should share is imported, and before starting any thread or event loop."""
     if threading.active_count() > 1:
         raise RuntimeError(f"{threading.active_count()} Python threads run: fork the peers before starting any")
-    # Python's collector writes to every object it visits: in a child, that would copy each shared page it touches.
-    # Frozen, the objects that exist now are never visited again, here or in the children.
-    gc.freeze()
+    freeze_before_fork()
     return [Preforked(command) for _ in range(count)]
 
 

@@ -48,6 +48,7 @@ from peer.checkpoint.lock import CheckpointDirLock
 from peer.checkpoint.store import CheckpointStore
 from peer.config import PeerConfig
 from peer.exit_codes import BadInput
+from peer.process.fork_sharing import freeze_before_fork
 from peer.process.signals import StopRequest
 from peer.runtime.busy import BusyRule, MachineUse
 from peer.runtime.credit import CreditLedger
@@ -140,6 +141,7 @@ class PeerBuilder:
 
     def dht(self) -> hivemind.DHT:
         """The run's DHT node, with its record validators; retried, and abandoned on a stop request."""
+        freeze_before_fork()  # the DHT's process
         try:
             dht = start_dht(self.config.dht, record_validators=record_validators(self.keys),
                             sleep=self.stop.wait, cancelled=lambda: bool(self.stop))
@@ -209,11 +211,15 @@ class PeerBuilder:
                               lambda: summary.averaging_sent_bytes)
         rounds = RoundTally(summary, monitoring.observer, payload_bytes,
                             update_check(config.averaging, summary.peer_id), credit)
+        freeze_before_fork()  # the averagers' processes
         optimizer = build_swarm_optimizer(config.averaging, Replica(
             dht=dht, keys=self.keys, params=model.parameters(), optimizer_factory=task.build_optimizer,
             scheduler_factory=task.build_scheduler, batch_size=batch_size, client_mode=config.dht.client_mode,
             hooks=rounds.hooks(monitoring.timer, self.faults),
         ))
+        if not self.faults.shares_state():
+            for averager in getattr(optimizer, "donor_averagers", ()):
+                averager.allow_state_sharing = False
         session = SwarmSession(dht, self.keys, optimizer, self.stop, progress_record_ttl_seconds(config.averaging),
                                on_progress=monitoring.health.beat)
         self.stack.callback(self._leave_training, dht, optimizer, session)
@@ -239,6 +245,7 @@ class PeerBuilder:
             precision=mixed_precision, faults=self.faults, pauser=pauser,
         )
         self.stack.callback(trainer.close)
+        freeze_before_fork()  # the data workers', as the trainer first reads a batch
         return trainer
 
     def _pause_watch(self, gate: PauseGate, device: torch.device) -> PauseWatch:

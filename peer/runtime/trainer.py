@@ -212,7 +212,10 @@ class Trainer:
                 self.observer.on_leaving("max_epochs")
                 # a round still in flight (local-sgd's last parameter round) reports its outcome once it has landed
                 self.optimizer.wait_for_background_updates()
+                downloads = self.summary.state_downloads
                 self.session.leave_at_last_epoch(self.rounds.last_outcome)
+                if self.summary.state_downloads > downloads:  # it leaves with the swarm's state, not the one it
+                    self.summary.val_loss_last = self.validate()  # validated at its last epoch
                 return "max_epochs"
             if out_of_time():
                 return self._leaving("max_seconds")

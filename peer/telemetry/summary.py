@@ -20,6 +20,7 @@ class PeerSummary(BaseModel):
     train_loss: Optional[float] = None
     val_loss_first: Optional[float] = None
     val_loss_last: Optional[float] = None
+    """Of the state it left with: validated again when it downloaded the swarm's state as it left."""
     phase_seconds: Dict[str, float] = Field(default_factory=dict)
     averaging_rounds: Dict[str, int] = Field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     largest_group: int = 0

@@ -27,7 +27,7 @@ Each of those happens once. Two more are not faults but a test's control over th
   this file exists before it starts its DHT and joins (a stop request ends the wait). A test that lets
   peers in one at a time starts the next one early, and its turn costs only the joining.
 
-Two more make this peer a hostile one, for all of its run:
+Three more make this peer a hostile one, for all of its run:
 
 - `gradient_factor`: every gradient it computes is multiplied by this (1e4: far too large; -1:
   sign-flipped, as large as an honest one and pointing the other way), and sent to the swarm;
@@ -35,6 +35,13 @@ Two more make this peer a hostile one, for all of its run:
   drop such a batch), as a broken or malicious peer's would be;
 - `serve_corrupted_state`: it trains honestly, but a peer that downloads its state gets every tensor
   negated, and it claims a priority nearly two steps ahead of its epoch so that downloading peers pick it first.
+
+And one keeps a peer out of the others' way:
+
+- `serve_no_state`: it declares itself no donor and refuses every state download, as upstream's
+  `allow_state_sharing=False` does; it still downloads. A drifter that serves its perturbed state is
+  refused by digest and excluded by whoever took it (the state differs from the one it published), and an
+  excluded peer is served no state: a test of what the drifter itself refuses keeps it from serving.
 
 Every injected fault is logged as a warning that says it was injected.
 """
@@ -64,6 +71,7 @@ class FaultPlan(BaseModel):
     perturb_params_at_epoch: Optional[int] = Field(default=None, ge=0)
     perturb_scale: float = Field(default=1e-2, gt=0, le=1)
     serve_corrupted_state: bool = False
+    serve_no_state: bool = False
     gradient_factor: Optional[float] = None
     send_nan_gradients: bool = False
     end_at_epoch_file: Optional[str] = None
@@ -171,6 +179,12 @@ class FaultInjector:
         def negated(tensors):
             return [-tensor if tensor.is_floating_point() else tensor for tensor in tensors]
         return negated
+
+    def shares_state(self) -> bool:
+        """Whether this peer serves its state to peers that download it."""
+        if self.plan.serve_no_state:
+            logger.warning("injected fault: this peer serves no state to peers that download it")
+        return not self.plan.serve_no_state
 
     def after_epoch(self, epoch: int, parameters: Iterable[torch.Tensor] = ()) -> None:
         at = self.plan.perturb_params_at_epoch

@@ -184,7 +184,7 @@ def test_a_started_dht_remembers_valid_records_and_still_stores_and_reads_signed
     second = dhts(DHTConfig(initial_peers=visible_maddrs(first), **FAST))
     assert isinstance(first._record_validator, RememberingValidator)
     key = SwarmKeys.for_run("test").digests
-    value = {"peer_id": "QmWriter", "digests": {"3": "ab" * 32}}
+    value = {"peer_id": "QmWriter", "digests": {"3": "ab" * 32}, "serves": True}
     assert store_own(second, key, value, ttl_seconds=30)
     for _ in range(3):  # read again and again: every copy valid, whether checked or remembered
         assert list(read_by_owner(first, key).values()) == [value]

@@ -169,6 +169,19 @@ def test_when_every_round_went_wrong_the_smallest_apart_peer_becomes_the_referen
     assert len(became) == 1 and not keeper.apart  # it declares its epoch again; the others download from it
 
 
+def test_a_window_that_keeps_splitting_the_swarm_is_named_once(caplog):
+    keeper, reports = round_keeper()
+    short, whole = RoundReport("ok", 1.0, 3), RoundReport("ok", 1.0, 16)
+    for report in (short, short, whole, short, short, RoundReport("failed", 1.0, 1)):  # never three short in a row
+        keeper.finish_round(report, others_present=True, swarm_peers=16)
+    keeper.finish_round(short, others_present=True, swarm_peers=None)  # grouped rounds: short by design
+    assert "--matchmaking-seconds" not in caplog.text
+    for _ in range(6):
+        keeper.finish_round(short, others_present=True, swarm_peers=16)
+    assert caplog.text.count("matchmaking window (1s) and average in separate groups") == 1
+    assert "this one 3 of 16" in caplog.text and len(reports) == 13
+
+
 def test_a_peer_that_sees_no_donor_in_two_timeouts_keeps_its_own_state(caplog):
     keeper, _ = round_keeper(timeout_seconds=20.0)
     keeper.finish_round(RoundReport("partial", 3.0, 2), others_present=True)

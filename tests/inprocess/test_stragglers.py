@@ -71,6 +71,11 @@ class _DelayedSender:
         return await self._stub.rpc_aggregate_part(delayed())
 
 
+GRACE = GraceWindow(ratio=0.1, min_seconds=1.0)
+"""A second at least for the contributions in time: a loaded machine delivers a peer's own part a few hundred ms
+after the quorum's (0.25 s left one out under CI's load), and the slow peer's delays are 4 and 5 s."""
+
+
 def left_out_fraction(averager) -> float:
     return round_pipeline.of(averager).stage(Completeness).left_out_fraction()
 
@@ -90,7 +95,7 @@ def held(averager) -> torch.Tensor:
 def test_a_slow_sender_is_left_out_of_the_round_and_ends_it_with_its_groups_average():
     values = distinct_values(3)
     with averagers([value.clone() for value in values], prefix="stragglers", averager_class=AveragerWithSlowUplink,
-                   stages=[GraceWindow(ratio=0.1, min_seconds=0.25)]) as group:
+                   stages=[GRACE]) as group:
         slow = group[2]
         # each of its contributions arrives 4 s late: far past the window, even where a loaded machine slows the others
         slow.send_delay.value = 4.0
@@ -128,7 +133,7 @@ def judged_slow(averager) -> bool:
 def test_a_slow_reducer_is_found_late_by_its_group_and_reduces_nothing_in_the_next_round():
     values = distinct_values(3)
     with averagers([value.clone() for value in values], prefix="slow_reducer", averager_class=AveragerWithSlowUplink,
-                   stages=[GraceWindow(ratio=0.1, min_seconds=0.25)]) as group:
+                   stages=[GRACE]) as group:
         slow = group[2]
         # each of its replies comes 5 s late: the others wait for its part, far past the window (a loaded machine
         # may hold a round's quorum back by a few seconds, and the window with it)

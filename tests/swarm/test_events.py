@@ -38,8 +38,11 @@ async def test_a_swarm_writes_ready_epochs_rounds_and_exit_and_a_killed_peer_lea
         assert await doomed.exit_code(timeout=30) < 0
         assert await first.exit_code(timeout=150) == 0 and await second.exit_code(timeout=30) == 0
 
-        failed = [event for event in second.events if isinstance(event, RoundEnded) and event.outcome == "failed"]
-        assert len(failed) == 1 and "injected" in failed[0].reason, failed
+        # the injected failure, recorded once; under load a round of the start may fail too (CI: one the second peer,
+        # still starting, had begun when the other two had already averaged, was cancelled)
+        failed = [event for event in second.events if isinstance(event, RoundEnded) and event.outcome == "failed"
+                  and "injected" in event.reason]
+        assert len(failed) == 1, [event for event in second.events if isinstance(event, RoundEnded)]
         # the two end with one state: whichever of them lacked the swarm's average took it from the other (which
         # one depends on who reached the last epoch first)
         final_downloads = [event for peer in (first, second) for event in peer.events

@@ -14,7 +14,7 @@ from averaging.swarm import digests
 from averaging.swarm.digests import (
     DIGEST_MISMATCH,
     NOT_MAJORITY,
-    SETTLE_SECONDS,
+    PATIENCE_SECONDS,
     UNPUBLISHED,
     DigestBook,
     by_peer,
@@ -45,6 +45,10 @@ def test_the_swarms_state_is_the_one_most_peers_hold_and_on_a_tie_the_smallest_p
     assert reference({B: "y", A: "x", C: "z", D: "y"}) == "y"
     assert reference({B: "x", C: "x", A: "y", D: "y"}) == "y"  # a 2 + 2 split: the half holding A
     assert reference({}) is None
+    # on a tie, a state that someone can download: a client-mode peer serves none
+    assert reference({A: "x", B: "y"}, silent={A}) == "y"
+    assert reference({A: "x", B: "y"}, silent={A, B}) == "x"
+    assert reference({A: "x", B: "x", C: "y"}, silent={A, B}) == "x"  # a majority is a majority
     assert majority({A: "x", B: "y", C: "y"}) == "y"
     assert majority({A: "x", B: "y"}) is None
     assert majority({A: "x", B: "x", C: "y", D: "y"}) is None
@@ -64,10 +68,12 @@ class FakeClock:
         return self.now
 
 
-def book_with(swarm: Dict[str, Dict[int, str]], me: str = A, clock=None):
-    """A DigestBook of peer `me`, reading `swarm` (peer -> epoch -> digest) as the DHT's records."""
+def book_with(swarm: Dict[str, Dict[int, str]], me: str = A, clock=None, silent=()):
+    """A DigestBook of peer `me`, reading `swarm` (peer -> epoch -> digest) as the DHT's records; the `silent` peers
+    serve no state."""
     def read() -> List[StateDigests]:
-        return [StateDigests(peer_id=peer, digests={str(epoch): digest for epoch, digest in own.items()})
+        return [StateDigests(peer_id=peer, digests={str(epoch): digest for epoch, digest in own.items()},
+                             serves=peer not in silent)
                 for peer, own in swarm.items()]
     checks, refused = [], []
     book = DigestBook(me, read, on_check=checks.append, on_refused=refused.append, clock=clock or FakeClock())
@@ -77,17 +83,36 @@ def book_with(swarm: Dict[str, Dict[int, str]], me: str = A, clock=None):
 X, Y, Z = "1" * 32, "2" * 32, "3" * 32
 
 
-def test_a_peer_compares_once_every_peer_published_or_the_epoch_settled():
+def test_a_peer_compares_once_every_peer_published_or_its_patience_ran_out():
     clock = FakeClock()
     swarm = {B: {5: Y}}
     book, checks, _ = book_with(swarm, clock=clock)
     book.record(5, X)
-    assert book.check(expected_peers=3) is None  # C has not published yet
-    clock.now += SETTLE_SECONDS
+    assert book.check(expected_peers=3) is None  # C has not published yet, and may side with either
+    clock.now += PATIENCE_SECONDS - 0.1
+    assert book.check(expected_peers=3) is None
+    clock.now += 0.1  # C may have left: compare with the peers there are
     check = book.check(expected_peers=3)
     assert check is not None and check.epoch == 5 and check.peers == 2
     assert check.agrees and check.reference == X  # a tie of two: A, the smaller id, holds the swarm's
     assert check.others == {B}
+    swarm[C] = {5: Y}
+    assert not book.check(expected_peers=3).agrees  # every peer has published: B and C outvote A
+
+
+def test_a_peer_compares_at_once_when_more_than_half_of_the_swarm_holds_one_digest():
+    """No digest still to come can outvote it; before, a peer that compared with the first few to publish could
+    download a state that the later ones then outvoted (a download counts as a vote for the state it took)."""
+    swarm = {B: {5: Y}, C: {5: Y}, D: {5: X}}
+    book, _, _ = book_with(swarm)
+    book.record(5, Z)
+    assert book.check(expected_peers=7) is None  # Y: 2 of 7, and the three to come may all hold Z
+    swarm.update({"12D3KooWE": {5: Y}, "12D3KooWF": {5: Y}})
+    check = book.check(expected_peers=7)  # Y: 4 of 7
+    assert check is not None and not check.agrees and check.reference == Y and check.peers == 6
+    assert digests.decisive({A: X, B: Y, C: Y}, expected_peers=2)  # more peers published than were counted
+    assert not digests.decisive({A: X, B: Y}, expected_peers=2)
+    assert not digests.decisive({}, expected_peers=0)
 
 
 
@@ -98,8 +123,7 @@ def test_the_watch_reads_again_only_while_the_newest_digest_has_not_met_every_pe
     assert not book.compared_with_all(expected_peers=2)  # nothing recorded yet
     book.record(5, X)
     assert not book.compared_with_all(expected_peers=3)
-    clock.now += SETTLE_SECONDS
-    book.check(expected_peers=3)  # settled with two of three: C may still publish
+    book.check(expected_peers=3)  # two of three agree, so A compares: C may still publish
     assert not book.compared_with_all(expected_peers=3)
     swarm[C] = {5: X}
     book.check(expected_peers=3)
@@ -169,6 +193,24 @@ def test_a_peer_left_apart_by_a_round_takes_the_loser_of_its_tie_as_a_donor_agai
     assert book.refused_donors() == {B}  # outvoted by a majority, whatever became of this peer's state
 
 
+def test_a_tie_goes_to_the_state_of_a_peer_that_serves_it_not_to_a_client_mode_peers():
+    # A, the smaller id, serves no state: had its state won, B would be apart with no donor, for good
+    client, _, _ = book_with({B: {5: Y}})
+    client.serves = lambda: False
+    client.record(5, X)
+    assert client.record_value()["serves"] is False
+    check = client.check(expected_peers=2)
+    assert not check.agrees and check.reference == Y and client.apart()
+
+    server, _, refused = book_with({A: {5: X}}, me=B, silent={A})
+    server.record(5, Y)
+    assert server.check(expected_peers=2).agrees and refused[-1] == {A}
+
+    server, _, _ = book_with({A: {5: X}}, me=B)  # where A serves its state, the smaller id's wins as before
+    server.record(5, Y)
+    assert not server.check(expected_peers=2).agrees
+
+
 def test_a_download_from_a_donor_whose_record_shows_its_new_state_a_moment_later_is_accepted():
     # the donor downloaded at epoch 5 itself just before it served: its record still shows what it held before
     swarm = {A: {5: X}, B: {5: Y}, C: {5: Y}}
@@ -192,12 +234,27 @@ def judge(swarm, donor, epoch, digest):
 def test_a_download_is_accepted_only_if_it_is_what_its_donor_published_and_the_swarms():
     swarm = {A: {7: X}, B: {7: X}, C: {7: Y}}
     assert judge(swarm, A, 7, X)[0] is None
-    reason, book = judge(swarm, A, 7, Y)  # not what A published: A lied about one or the other
+    reason, book = judge(swarm, A, 7, Z)  # a state nobody published: A lied about one or the other
     assert reason == DIGEST_MISMATCH and A in book.refused_donors()
+    # C's state, which A took by download and serves before its record shows it, is no lie; A still votes for what
+    # it published: X and Y tie two to two (no majority to refuse it), and against A and B's X, Y is refused
+    assert judge({A: {7: X}, B: {7: Y}, C: {7: Y}, D: {7: X}}, A, 7, Y)[0] is None
+    assert judge(swarm, B, 7, Y)[0] == NOT_MAJORITY
     assert judge(swarm, C, 7, Y)[0] == NOT_MAJORITY  # what C published, but not the swarm's
     assert judge(swarm, C, 8, Y)[0] == UNPUBLISHED  # nothing published for that epoch: cannot be checked
     assert judge(swarm, None, 7, X)[0] == UNPUBLISHED  # a state that names no donor
     assert judge({A: {7: X}, C: {7: Y}}, C, 7, Y)[0] is None  # no majority among two: the donor's word stands
+
+
+def test_before_a_final_download_donors_refused_only_for_want_of_a_digest_are_asked_again():
+    swarm = {A: {7: X}, B: {7: X}, C: {7: Y}}
+    book, _, refused = book_with(swarm, me=D)
+    no_wait = lambda seconds: None  # noqa: E731
+    assert book.judge_download(A, 8, X, sleep=no_wait) == UNPUBLISHED  # A has no digest at epoch 8 yet
+    assert book.judge_download(C, 7, Y, sleep=no_wait) == NOT_MAJORITY
+    assert book.refused_donors() == {A, C}
+    book.forgive_unpublished()
+    assert book.refused_donors() == {C} and refused[-1] == {C}  # a donor whose state is not the swarm's stays refused
 
 
 def test_every_rejection_reason_is_a_label_of_the_metric():
@@ -226,8 +283,11 @@ def test_a_leaving_peer_waits_only_for_the_digests_that_peers_may_still_publish(
 
     clock, sleeps = FakeClock(), []
 
+    counted_while_waiting = []
+
     def sleep(seconds: float) -> None:
         sleeps.append(seconds)
+        counted_while_waiting.append(agreement.watch.expected_peers())
         clock.now += seconds
     monkeypatch.setattr(module, "time", SimpleNamespace(monotonic=clock, sleep=sleep))
     dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: A))
@@ -239,3 +299,5 @@ def test_a_leaving_peer_waits_only_for_the_digests_that_peers_may_still_publish(
     # one of them may still publish: wait for it, up to the timeout
     assert not agreement.await_comparison(5, timeout_seconds=30.0, expected_peers=lambda: 2, poll_seconds=1.0)
     assert sum(sleeps) == 30.0
+    # meanwhile the watch compared once those two had published, not all three; then it counts the swarm again
+    assert set(counted_while_waiting) == {2} and agreement.watch.expected_peers() == 3

@@ -90,6 +90,11 @@ def test_the_parameters_move_once_at_the_planned_epoch_or_the_first_past_it_that
     assert torch.equal(parameter, moved)
 
 
+def test_a_peer_shares_its_state_unless_the_plan_says_it_serves_none():
+    assert FaultInjector().shares_state()
+    assert not FaultInjector(FaultPlan(serve_no_state=True)).shares_state()
+
+
 def test_a_drift_that_a_download_erased_before_the_digests_found_it_comes_back_until_they_do():
     # CI under load: a failed round's download replaced the perturbed state, and no comparison ever saw a drift
     parameter = torch.arange(8.0)

@@ -23,22 +23,35 @@ def test_the_users_choice_of_threads_stands(monkeypatch):
 
 def in_new_process(code: str) -> subprocess.CompletedProcess:
     env = {name: value for name, value in os.environ.items()
-           if name not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HIVEMIND_MEMORY_SHARING_STRATEGY")}
+           if name not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HIVEMIND_MEMORY_SHARING_STRATEGY", "GOGC")}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
 
 
-def test_the_cpu_peers_a_swarm_forks_get_their_threads_and_share_tensors_by_descriptor():
+def test_the_cpu_peers_a_swarm_forks_get_their_threads_share_tensors_by_descriptor_and_bound_p2pds_heap():
     """torch and hivemind read these as they are imported, and the peers inherit what the swarm process imported."""
     result = in_new_process(
         "import json, os\nfrom peer.cli.swarm import prepare_cpu_peers\n"
         "prepare_cpu_peers(4 * len(os.sched_getaffinity(0)))\n"
         "import hivemind, torch, torch.multiprocessing\n"
-        "print(json.dumps([torch.get_num_threads(), torch.multiprocessing.get_sharing_strategy()]))")
+        "print(json.dumps([torch.get_num_threads(), torch.multiprocessing.get_sharing_strategy(),\n"
+        "                  os.environ['GOGC']]))")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == [1, "file_descriptor"]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [1, "file_descriptor", "50"]
 
 
 def test_preparing_the_peers_after_torch_was_imported_is_refused():
     result = in_new_process("import torch\nfrom peer.cli.swarm import prepare_cpu_peers\nprepare_cpu_peers(2)")
     assert result.returncode != 0
     assert "torch was imported before the peers' threads were set" in result.stderr
+
+
+def test_the_swarm_process_imports_what_a_peer_would_import_after_the_fork():
+    """Each forked peer would otherwise import its own copy of torch's compiler, as its optimizer is built: 2 CPU
+    seconds a peer while the others start too, and memory it shares with nobody."""
+    result = in_new_process(
+        "import json, sys\nfrom peer.cli.swarm import preload_peer_modules\npreload_peer_modules()\n"
+        "from peer.tasks.registry import load_task\ntask = load_task('bytelm-tiny')\n"
+        "before = set(sys.modules)\ntask.build_optimizer(task.build_model().parameters())\n"
+        "print(json.dumps(sorted(name for name in set(sys.modules) - before if name.startswith('torch'))))")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == []

@@ -365,6 +365,23 @@ def test_run_stops_at_max_epochs_after_validating_each_epoch_and_leaves_with_the
     assert (state["local_epoch"], state["local_steps"], state["samples"]) == (2, 2 * TARGET // BATCH, 2 * TARGET)
 
 
+def test_a_peer_that_downloads_the_final_state_as_it_leaves_reports_the_validation_loss_of_that_state(tmp_path):
+    """Its last epoch validated its own state, and it leaves with the swarm's (a peer a round behind downloads it at
+    the last epoch): the summary's last validation loss is that of the state its final checkpoint holds."""
+    rig = make_rig(tmp_path, max_epochs=2)
+
+    def leave_with_the_swarms_state(last_round_outcome: Optional[str]) -> None:
+        with torch.no_grad():
+            for parameter in rig.model.parameters():
+                parameter.add_(1.0)
+        rig.optimizer.hooks.state_loaded(rig.optimizer.local_epoch)
+
+    rig.session.leave_at_last_epoch = leave_with_the_swarms_state
+    assert rig.trainer.run() == "max_epochs"
+    assert rig.summary.state_downloads == 1
+    assert rig.summary.val_loss_last == rig.trainer.validate() != rig.observer.epochs[-1][1]
+
+
 def test_an_epoch_jump_over_a_multiple_of_k_still_writes_the_checkpoint(tmp_path):
     """Epochs 1, 3, 4 (a download jumped over 2) with every 2 epochs: checkpoints at 3 and 4, not at 4 alone."""
     rig = make_rig(tmp_path, max_epochs=4, checkpoint_every_epochs=2, keep_checkpoints=5)
