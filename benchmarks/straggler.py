@@ -12,10 +12,11 @@ one bridge (benchmarks/netns.py), in these setups, interleaved when repeated:
 
 Each setup starts its peers together (--min-peers), lets them train ``--warmup-epochs``, then counts the epochs
 peers 0 and 1 end during ``--measure-seconds`` (``fast_epochs_per_minute``; the slow peer's own rate as
-``slow_epochs_per_minute``). Then every peer ends at one epoch (the harness's end_soon) and
-``max_parameter_difference`` compares their final checkpoints with peer 0's (0: one state). From the slow peer's
-events: ``late_rounds`` (rounds whose contribution its group left out as late), ``stood_aside`` (it stopped
-reducing for others) and ``state_downloads``.
+``slow_epochs_per_minute``). The window runs on until every peer has ended an epoch in it: under load an epoch
+can outlast a short window, and a rate of zero would then measure the window, not the peer. Then every peer ends
+at one epoch (the harness's end_soon) and ``max_parameter_difference`` compares their final checkpoints with peer
+0's (0: one state). From the slow peer's events: ``late_rounds`` (rounds whose contribution its group left out as
+late), ``stood_aside`` (it stopped reducing for others) and ``state_downloads``.
 
 Needs root (network namespaces); without it the run is skipped, saying why. Usage (from the repository root)::
 
@@ -67,6 +68,7 @@ async def one_run(bridge: netns.Bridge, work: Path, setup: str, slow_rate: str, 
                   raise_errors: bool = False, log=print) -> dict:
     """Run one setup (see the module's docstring) and measure it. A swarm that misbehaves ends the run: `error` says
     what went wrong, or, with `raise_errors` (tests), the error is raised with the peer's log."""
+    from peer.telemetry.events import EpochEnded
     from peer.testing import PeerFailed, Swarm, max_parameter_difference
 
     spec = SETUPS[setup]
@@ -82,8 +84,10 @@ async def one_run(bridge: netns.Bridge, work: Path, setup: str, slow_rate: str, 
             await swarm.all_reached(warmup_epochs, timeout=start_timeout)
             since = time.time()
             await asyncio.sleep(measure_seconds)
+            await asyncio.gather(*(peer.wait_for(EpochEnded, lambda event: event.time > since, timeout=start_timeout,
+                                                 what="an epoch in the measuring window") for peer in peers))
             until = time.time()
-            log(f"{setup}: epochs {[peer.epoch for peer in peers]} after a {measure_seconds:g}s window")
+            log(f"{setup}: epochs {[peer.epoch for peer in peers]} after a {until - since:.0f}s window")
             swarm.end_soon(peers)
             row["exit_codes"] = await swarm.all_exited(timeout=exit_timeout)
             states = [peer.model_state() for peer in peers]

@@ -28,6 +28,7 @@ async def test_a_peer_on_a_slow_link_trains_in_step_and_ends_with_the_swarms_sta
     # one swarm, one state: whether its contributions came after the others' grace window (left out, and it took
     # the round's result from reducers whose own rounds were over) or in time, it ends with their state, bit for bit
     assert row["max_parameter_difference"] == 0.0, row
+    # every peer trained on: the measuring window waits (up to 120 s) for an epoch of each, and fails without one
     assert row["fast_epochs_per_minute"] > 0 and row["slow_epochs_per_minute"] > 0, row
     # Whether it was late is timing: alone it was left out of every round and stood aside; under suite load the
     # fast peers were once as late as it was. tests/inprocess/test_stragglers.py checks that part with delays far
