@@ -133,8 +133,14 @@ class Swarm:
         await asyncio.gather(*(peer.reach(epoch, timeout) for peer in (peers or self.training_peers)))
 
     async def all_exited(self, timeout: float, peers: Optional[Sequence[Peer]] = None) -> List[int]:
-        """Wait until every training peer (or those given) has exited; their exit codes."""
-        return list(await asyncio.gather(*(peer.exit_code(timeout) for peer in (peers or self.training_peers))))
+        """Wait until every training peer (or those given) has exited; their exit codes. A peer that did not in
+        time fails it, saying where each peer was (a straggler's log alone does not say how far ahead the others
+        were, or whether they had left)."""
+        peers = list(peers or self.training_peers)
+        try:
+            return list(await asyncio.gather(*(peer.exit_code(timeout) for peer in peers)))
+        except PeerFailed as e:
+            raise PeerFailed(f"{where_each_is(peers)}\n{e}") from e
 
     def ends_on_request(self, plan: Optional[FaultPlan] = None) -> List[str]:
         """Arguments for a peer whose run end_soon() can end (through the test-only --inject-faults, with the
@@ -183,3 +189,14 @@ def max_parameter_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tens
     if a.keys() != b.keys():
         raise ValueError(f"different tensors: {sorted(a.keys() ^ b.keys())[:5]}")
     return max(float((a[key].float() - b[key].float()).abs().max()) for key in a)
+
+
+def where_each_is(peers: Sequence[Peer]) -> str:
+    """One line: each peer's newest epoch, and its exit code or that it still runs."""
+    def state(peer: Peer) -> str:
+        if peer.process is None:
+            return "not started"
+        code = peer._poll()
+        return "running" if code is None else f"exited {code}"
+
+    return "; ".join(f"{peer.name} at epoch {peer.epoch}, {state(peer)}" for peer in peers)
