@@ -2,8 +2,7 @@
 collections then leave the pages of the parent's objects shared instead of copying them."""
 from __future__ import annotations
 
-import subprocess
-import sys
+from tests.new_process import python_result
 
 CHECK = """
 import gc, json, os, sys, psutil
@@ -23,9 +22,7 @@ print(json.loads(os.read(read, 64)))
 
 
 def private_bytes_of_a_child_after_a_collection(mode: str) -> int:
-    result = subprocess.run([sys.executable, "-c", CHECK, mode], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return int(result.stdout.strip().splitlines()[-1])
+    return python_result(CHECK, mode)
 
 
 def test_a_child_forked_after_the_freeze_copies_none_of_the_parents_objects_as_it_collects():

@@ -2,10 +2,7 @@
 (peer/process/p2p_daemon_heap.py)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+from tests.new_process import environment_without, python_result
 
 CHECK = """
 import asyncio, json, psutil
@@ -26,13 +23,11 @@ asyncio.run(main())
 
 
 def gc_percent_of_the_daemon(env: dict) -> str:
-    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return python_result(CHECK, env=env)
 
 
 def without_gogc() -> dict:
-    return {name: value for name, value in os.environ.items() if name != "GOGC"}
+    return environment_without(["GOGC"])
 
 
 def test_the_daemon_collects_at_half_of_gos_default():

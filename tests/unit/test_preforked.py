@@ -7,8 +7,6 @@ saving: what the children run imports what it needs.
 """
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,9 +15,7 @@ import textwrap
 import psutil
 
 from peer.exit_codes import ExitCode
-
-TIMEOUT_SECONDS = 180  # generous: CI runs this beside busy swarms
-
+from tests.new_process import TIMEOUT_SECONDS, python_result
 
 PRELUDE = """
 import json, os, sys, time
@@ -38,10 +34,7 @@ def finish(process):
 
 def run_parent(body: str) -> dict:
     """Run `body` in a new Python process after PRELUDE; the JSON it prints last."""
-    result = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], capture_output=True, text=True,
-                            timeout=TIMEOUT_SECONDS, cwd=os.getcwd())
-    assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return python_result(PRELUDE + textwrap.dedent(body))
 
 
 def test_a_child_runs_its_command_line_with_its_environment_and_reports_the_exit_code():

@@ -2,10 +2,7 @@
 may hold as many open files as the hard limit allows (peer/process/tensor_sharing.py)."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
+from tests.new_process import environment_without, python_result
 
 CHECK = """
 import json, resource
@@ -18,13 +15,11 @@ print(json.dumps({"strategy": torch.multiprocessing.get_sharing_strategy(),
 
 
 def sharing_in_new_process(env: dict) -> dict:
-    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return python_result(CHECK, env=env)
 
 
 def without_strategy() -> dict:
-    return {name: value for name, value in os.environ.items() if name != "HIVEMIND_MEMORY_SHARING_STRATEGY"}
+    return environment_without(["HIVEMIND_MEMORY_SHARING_STRATEGY"])
 
 
 def test_tensors_are_shared_by_descriptor_with_the_soft_limit_of_open_files_raised():
