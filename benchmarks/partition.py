@@ -112,7 +112,7 @@ async def one_run(bridge: netns.Bridge, work: Path, cut_seconds: float, *, warmu
             log(f"cut {HALVES[0]} from {HALVES[1]} at epoch {max(peer.epoch for peer in peers)}")
             await asyncio.sleep(cut_seconds)
             # the heal's time is taken first: a peer can reconnect while the restore is still being applied (in CI,
-            # under suite load, one said it had rejoined 0.3 s before the restore returned)
+            # under suite load, one said it had rejoined 0.08 s before the restore returned)
             healed_at = time.time()
             bridge.restore()
             log(f"healed at epochs {[peer.epoch for peer in peers]}")
