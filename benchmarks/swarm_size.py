@@ -46,6 +46,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -194,7 +195,8 @@ def main(argv=None) -> int:
     p.add_argument("--peers", default=None, help="swarm sizes, comma-separated (default 4,8,12,16; quick 4,8; "
                                                  "smoke 2)")
     p.add_argument("--max-epochs", type=int, default=None, help="epochs of each run (default 8; quick 6; smoke 2)")
-    p.add_argument("--logs", type=Path, default=None, help="write each swarm's whole output to DIR/<N>-peers.log")
+    p.add_argument("--logs", type=Path, default=None, help="write each swarm's whole output to DIR/<N>-peers.log, "
+                                                           "and keep its peers' directories in DIR/<N>-peers/")
     p.add_argument("--peer-args", default="", help="more `peer swarm` flags for every swarm, as one string, e.g. "
                                                    "\"--averaging local-sgd --target-group-size 4\"")
     args = p.parse_args(argv)
@@ -210,6 +212,8 @@ def main(argv=None) -> int:
             swarm = asyncio.run(run_swarm(Path(work), peers, max_epochs, peer_args, run.log))
             row = {**read_run(Path(work), peers, max_epochs, swarm),
                    "wall_seconds": round(time.monotonic() - started, 1)}
+            if args.logs is not None:  # events, logs and checkpoints: what a failed run is read from
+                shutil.copytree(work, args.logs / f"{peers}-peers", dirs_exist_ok=True)
         rows.append(row)
         if args.logs is not None:
             args.logs.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,8 @@ A peer whose last averaging round failed still advances its epoch, and then down
 swarm's final state before it leaves, if another peer has it. Peers at the same epoch may hold
 different states (each one whose last round failed applied only its own gradients), so a peer
 whose last round averaged offers its state ("offers" in its leave record, and a higher donor
-priority), and one whose round failed downloads only once such an offer is there. If every peer
+priority), and one whose round failed downloads only once such an offer is there, or a peer at its
+epoch is done (it holds the final state it took), or one is ahead. If every peer
 at that epoch had its last round fail, the one with the smallest id offers its state and the
 others download it: all of them end with the same weights. With grouped rounds (--target-group-size),
 each group ends its last round whole with a state of its own, so every peer leaves as one whose last
@@ -93,33 +94,52 @@ def may_have_final_state(epoch: int, progress: Mapping[bytes, object], me: bytes
 
 
 def final_state_source(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
-                       me: bytes, waited_out: bool = False, candidate: bool = True) -> Source:
+                       me: bytes, waits: int = 0, candidate: bool = True) -> Source:
     """For a peer whose last round failed, leaving at `epoch`: download, offer its own state, or wait.
 
-    waited_out: the wait for peers that have not said is over; a silent peer at `epoch` now counts as one whose
-    round failed too (it may still be in a round that will fail: the smallest id must offer, or the peers that
-    gave up at the same time would each download another's state), and one behind is no longer waited for.
+    A peer that holds the final state makes it a download at once, whatever the others have said: one that offers
+    it, one done at `epoch` (it took the final state, or its offer did not show in time), or one ahead. Waiting for
+    the silent peers only decides whether this peer offers instead (seen, 16 peers in groups: a peer waited for
+    silent peers while an offer stood, until every offering peer had left, then offered its own state, and the
+    peers still there took it: two final states).
+    waits: how many patience windows this peer has waited out. After one, a silent peer at `epoch` counts as one
+    whose round failed too (it may still be in a round that will fail: the smallest id must offer, or the peers that
+    gave up at the same time would each download another's state), and one behind is no longer waited for. After
+    two, a peer still silent is busy in a round of its own and takes whatever is offered once it is done: only the
+    peers that said they download are candidates (seen, 16 peers in groups: the smallest id was in a round of 57 s,
+    and the others, having waited for its offer, each downloaded from any donor: three final states).
     candidate: False for a peer whose state at `epoch` was downloaded: it only copies a donor's, so it waits for an
     offer and never offers in the place of the peers whose rounds failed (nor do they wait for it to).
     """
-    failed = []
-    for owner, their_epoch in _current_epochs(progress, leaving, me).items():
-        if their_epoch < epoch - 1:
-            continue
-        state, offers = _announced(leaving.get(owner), their_epoch)
-        if state == PAUSED:  # in no round, and it neither offers a state nor waits for one
+    others = {owner: (their_epoch, _announced(leaving.get(owner), their_epoch)[0])
+              for owner, their_epoch in _current_epochs(progress, leaving, me).items() if their_epoch >= epoch - 1}
+    if any(their_epoch >= epoch and (state == DONE or (their_epoch > epoch and state is None))
+           for their_epoch, state in others.values()):
+        return Source.DOWNLOAD
+    failed, undecided = [], False
+    for owner, (their_epoch, state) in others.items():
+        if state == PAUSED or (state is None and waits >= 2):  # in no round of the last epoch's, or busy in its own
             continue
         if their_epoch == epoch - 1:  # may be in its last round: wait, unless it is done at that epoch
-            if not waited_out and state != DONE:
-                return Source.WAIT
-            continue
-        if (state == DONE and offers) or (their_epoch > epoch and state is None):
-            return Source.DOWNLOAD
-        if state is None and not waited_out:
-            return Source.WAIT
-        if state != DONE and not _announced_copy(leaving.get(owner), their_epoch):
+            undecided |= waits == 0 and state != DONE
+        elif state is None and waits == 0:
+            undecided = True
+        elif their_epoch == epoch and state != DONE and not _announced_copy(leaving.get(owner), their_epoch):
             failed.append(owner)
+    if undecided:
+        return Source.WAIT
     return Source.OFFER if candidate and all(me < owner for owner in failed) else Source.WAIT
+
+
+def seen_at_epoch(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes) -> str:
+    """What this peer sees of the others at `epoch` and one behind, for its log: how many said what."""
+    said: Dict[str, int] = {}
+    for owner, their_epoch in _current_epochs(progress, leaving, me).items():
+        if their_epoch >= epoch - 1:
+            state = _announced(leaving.get(owner), their_epoch)[0] or "silent"
+            where = "ahead" if their_epoch > epoch else "behind" if their_epoch < epoch else "at it"
+            said[f"{state} {where}"] = said.get(f"{state} {where}", 0) + 1
+    return ", ".join(f"{count} {what}" for what, count in sorted(said.items())) or "no other peer"
 
 
 def _announced(record: object, epoch: int) -> Tuple[Optional[str], bool]:

@@ -56,6 +56,7 @@ from peer.runtime.leaving import (
     may_join_round_to,
     may_publish_digest,
     needs_of_others,
+    seen_at_epoch,
 )
 
 logger = logging.getLogger(__name__)
@@ -228,11 +229,14 @@ class SwarmSession:
         ours if every peer at this epoch failed and ours has the smallest id. True if this peer offers its state.
 
         Waits up to `patience_seconds` for the others to say; then those silent at this epoch count as failed too,
-        and it waits as long again for the smallest id's offer (or offers, if that is this peer). A peer that is
-        no candidate (peer.runtime.leaving.final_state_source) only waits for an offer."""
-        source = self._final_state_source(epoch, time.monotonic() + patience_seconds, False, candidate)
-        if source is Source.WAIT:
-            source = self._final_state_source(epoch, time.monotonic() + patience_seconds, True, candidate)
+        and it waits as long again for the smallest id's offer (or offers, if that is this peer); then those still
+        silent are left out, and it waits as long again for the offer of the smallest id that said it downloads. A
+        peer that is no candidate (peer.runtime.leaving.final_state_source) only waits for an offer."""
+        source = Source.WAIT
+        for waits in range(3):
+            source = self._final_state_source(epoch, time.monotonic() + patience_seconds, waits, candidate)
+            if source is not Source.WAIT:
+                break
         if source is Source.WAIT and not has_final_state_elsewhere(epoch, read_by_owner(self.dht, self.keys.progress),
                                                                    self.me):
             source = Source.OFFER  # nobody reached the last epoch in time: this peer's state is the newest there is
@@ -245,10 +249,14 @@ class SwarmSession:
         self.optimizer.download_final_state()
         return False
 
-    def _final_state_source(self, epoch: int, give_up_at: float, waited_out: bool, candidate: bool) -> Source:
+    def _final_state_source(self, epoch: int, give_up_at: float, waits: int, candidate: bool) -> Source:
         """Read the swarm's records until they say where the final state comes from, or until `give_up_at`."""
         while True:
-            source = final_state_source(epoch, *self._progress_and_leave_records(), self.me, waited_out, candidate)
+            records = self._progress_and_leave_records()
+            source = final_state_source(epoch, *records, self.me, waits, candidate)
+            if source is Source.WAIT and time.monotonic() >= give_up_at:
+                logger.info(f"no final state to take yet at epoch {epoch}; the other peers there, or one epoch behind, "
+                            f"as this peer reads them: {seen_at_epoch(epoch, *records, self.me)}")
             if source is not Source.WAIT or self.stop or time.monotonic() >= give_up_at:
                 return source
             self.stop.wait(0.5)

@@ -17,6 +17,7 @@ from peer.runtime.leaving import (
     may_join_round_to,
     may_publish_digest,
     needs_of_others,
+    seen_at_epoch,
 )
 
 ME, A, B = b"me", b"a", b"b"
@@ -73,7 +74,7 @@ def test_a_peer_whose_state_was_downloaded_at_the_epoch_waits_for_an_offer_and_i
     assert final_state_source(10, progress(me=10, a=9), copy, ME) is Source.OFFER  # a has the smaller id
     failed = {ME: leave_record(10, DOWNLOADING)}
     assert final_state_source(10, progress(me=10, a=10), failed, A, candidate=False) is Source.WAIT
-    assert final_state_source(10, progress(me=10, a=10), failed, A, waited_out=True, candidate=False) is Source.WAIT
+    assert final_state_source(10, progress(me=10, a=10), failed, A, waits=1, candidate=False) is Source.WAIT
     offered = {ME: leave_record(10, DONE, offers=True)}
     assert final_state_source(10, progress(me=10, a=10), offered, A, candidate=False) is Source.DOWNLOAD
 
@@ -136,6 +137,17 @@ def test_a_failed_peer_downloads_once_a_peer_at_its_epoch_offers_its_state():
 
 def test_a_failed_peer_downloads_from_a_peer_ahead():
     assert final_state_source(10, progress(me=10, a=11), {}, ME) is Source.DOWNLOAD
+    assert final_state_source(10, progress(me=10, a=11), {A: leave_record(11, DONE)}, ME) is Source.DOWNLOAD
+
+
+def test_an_offer_is_taken_at_once_whatever_the_order_of_the_records_and_while_others_are_silent():
+    """Seen with 16 peers in groups: a peer whose first record read was a silent peer's waited, while another
+    peer offered the final state, until every offering peer had left; then it offered its own, and the peers still
+    there took it."""
+    offered = {B: leave_record(10, DONE, offers=True)}
+    for records in (progress(me=10, a=10, b=10), progress(me=10, b=10, a=10), progress(me=10, a=9, b=10)):
+        assert final_state_source(10, records, offered, ME) is Source.DOWNLOAD
+        assert final_state_source(10, records, offered, ME, candidate=False) is Source.DOWNLOAD
 
 
 def test_when_every_peer_at_the_epoch_failed_the_smallest_id_offers_and_the_others_wait_for_it():
@@ -154,15 +166,22 @@ def test_once_the_wait_is_over_silent_peers_count_as_failed_and_only_the_smalles
     records = progress(me=10, a=10, b=10)
     two_failed = {ME: leave_record(10, DOWNLOADING), B: leave_record(10, DOWNLOADING)}  # a is silent
     assert final_state_source(10, records, two_failed, B) is Source.WAIT
-    assert final_state_source(10, records, two_failed, B, waited_out=True) is Source.WAIT  # for a's offer
-    assert final_state_source(10, records, two_failed, ME, waited_out=True) is Source.WAIT
-    assert final_state_source(10, records, two_failed, A, waited_out=True) is Source.OFFER
+    assert final_state_source(10, records, two_failed, B, waits=1) is Source.WAIT  # for a's offer
+    assert final_state_source(10, records, two_failed, ME, waits=1) is Source.WAIT
+    assert final_state_source(10, records, two_failed, A, waits=1) is Source.OFFER
     a_offers = {**two_failed, A: leave_record(10, DONE, offers=True)}
-    assert final_state_source(10, records, a_offers, B, waited_out=True) is Source.DOWNLOAD
-    # a peer behind is no longer waited for, and a peer done without an offer is no candidate
+    assert final_state_source(10, records, a_offers, B, waits=1) is Source.DOWNLOAD
+    # after a second wait, a peer still silent is busy in a round of its own: the smallest id that said it
+    # downloads offers, and the silent peer downloads that offer once it is done
+    assert final_state_source(10, records, two_failed, B, waits=2) is Source.OFFER
+    assert final_state_source(10, records, two_failed, ME, waits=2) is Source.WAIT
+    b_offers = {**two_failed, B: leave_record(10, DONE, offers=True)}
+    assert final_state_source(10, records, b_offers, ME, waits=2) is Source.DOWNLOAD
+    assert final_state_source(10, records, b_offers, A) is Source.DOWNLOAD
+    # a peer behind is no longer waited for
     behind = progress(me=10, a=9, b=10)
-    assert final_state_source(10, behind, {B: leave_record(10, DONE)}, ME) is Source.WAIT
-    assert final_state_source(10, behind, {B: leave_record(10, DONE)}, ME, waited_out=True) is Source.OFFER
+    assert final_state_source(10, behind, {ME: leave_record(10, DOWNLOADING)}, B) is Source.WAIT
+    assert final_state_source(10, behind, {ME: leave_record(10, DOWNLOADING)}, B, waits=1) is Source.OFFER
 
 
 def test_a_peer_one_epoch_behind_may_be_in_its_last_round_and_is_waited_for_unless_done_there():
@@ -172,9 +191,12 @@ def test_a_peer_one_epoch_behind_may_be_in_its_last_round_and_is_waited_for_unle
     assert final_state_source(10, progress(me=10, a=9), {A: leave_record(9, DONE)}, ME) is Source.OFFER
 
 
-def test_a_peer_done_without_an_offer_or_behind_is_not_waited_for():
+def test_a_peer_done_at_the_epoch_without_an_offer_holds_the_final_state_and_one_far_behind_is_not_waited_for():
+    """It took the final state by download (or its offer did not show in time): offering this peer's own state
+    instead would leave two states (16 peers in groups: the peers still there took a late peer's offer)."""
     records = progress(me=10, a=10, b=8)
-    assert final_state_source(10, records, {A: leave_record(10, DONE, offers=False)}, ME) is Source.OFFER
+    assert final_state_source(10, records, {A: leave_record(10, DONE, offers=False)}, ME) is Source.DOWNLOAD
+    assert final_state_source(10, records, {A: leave_record(10, DOWNLOADING, downloaded=True)}, ME) is Source.OFFER
     stale_offer = {A: leave_record(9, DONE, offers=True)}  # from an earlier epoch: a is silent at 10
     assert final_state_source(10, records, stale_offer, ME) is Source.WAIT
 
@@ -194,3 +216,11 @@ def test_the_last_epochs_digests_are_awaited_only_from_peers_that_may_still_publ
     assert may_publish_digest(10, records, leaving, ME) == 2
     leaving[b"c"] = leave_record(10, DONE, offers=True)  # published before it offered
     assert may_publish_digest(10, records, leaving, ME) == 2
+
+
+def test_what_a_peer_waiting_for_the_final_state_sees_is_counted_for_its_log():
+    records = progress(me=10, a=10, b=9, c=10, d=11, e=7)
+    leaving = {A: leave_record(10, DONE, offers=True), b"c": leave_record(10, DOWNLOADING), b"e": leave_record(7, DONE)}
+    seen = seen_at_epoch(10, records, leaving, ME)
+    assert seen == "1 done at it, 1 downloading at it, 1 silent ahead, 1 silent behind"
+    assert seen_at_epoch(10, progress(me=10, e=7), {}, ME) == "no other peer"
