@@ -61,9 +61,6 @@ from peer.runtime.leaving import (
 
 logger = logging.getLogger(__name__)
 
-RESYNC_SECONDS = 2.0
-"""How often a peer that stays for stragglers at its last epoch asks whether its digests were found apart since."""
-
 START_SETTLE_SECONDS = 2.0
 """Peers that wait for each other start this long after the first of them saw the quorum: enough for
 the others, polling every 0.25 s, to see it too."""
@@ -206,19 +203,11 @@ class SwarmSession:
             offers = self.optimizer.offer_final_state()
         self._publish(self.keys.leaving, leave_record(epoch, DONE, offers))
         silent_since: Dict[bytes, float] = {}
-        next_resync = 0.0
         while not self.stop and time.monotonic() < deadline:
             if grouped and self.optimizer.better_final_offer():  # first: the others may all be done by now
                 logger.info("a final state ranked above the one this peer holds is offered (a smaller peer id's): "
                             "downloading it, so that the swarm ends with one state")
                 self.optimizer.download_final_state()
-            # the comparison may have settled on the first digests to arrive, and the later ones outvoted them (16
-            # peers: a peer offered its state, was found apart 3 s later, and left with it): take the swarm's state
-            if not grouped and time.monotonic() >= next_resync:
-                next_resync = time.monotonic() + RESYNC_SECONDS
-                if self.optimizer.download_swarm_state():
-                    logger.info("this peer's final state was found apart from the swarm's after it had settled: "
-                                "it took the swarm's state")
             progress, leaving = self._progress_and_leave_records()
             if everyone_else_done(progress, leaving, self.me):
                 return
