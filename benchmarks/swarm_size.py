@@ -212,12 +212,10 @@ def main(argv=None) -> int:
             swarm = asyncio.run(run_swarm(Path(work), peers, max_epochs, peer_args, run.log))
             row = {**read_run(Path(work), peers, max_epochs, swarm),
                    "wall_seconds": round(time.monotonic() - started, 1)}
-            if args.logs is not None:  # events, logs and checkpoints: what a failed run is read from
+            if args.logs is not None:  # its output, and the peers' events, logs and checkpoints it is read from
                 shutil.copytree(work, args.logs / f"{peers}-peers", dirs_exist_ok=True)
+                (args.logs / f"{peers}-peers.log").write_text(swarm["output"])
         rows.append(row)
-        if args.logs is not None:
-            args.logs.mkdir(parents=True, exist_ok=True)
-            (args.logs / f"{peers}-peers.log").write_text(swarm["output"])
         if row["exit_code"] != 0:
             run.note(f"{peers} peers: peer swarm exited {row['exit_code']}; its last output is in the row")
         run.log(f"{peers} peers: exit {row['exit_code']}, {row['states']} final state(s), max difference "

@@ -30,6 +30,7 @@ then "done". When every other peer is done, all leave at once instead of waiting
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from typing import Dict, Mapping, Optional, Tuple
 
 DOWNLOADING, DONE, PAUSED = "downloading", "done", "paused"
@@ -49,7 +50,9 @@ class Need(enum.Enum):
 
 
 def leave_record(epoch: int, state: str, offers: bool = False, downloaded: bool = False) -> dict:
-    """downloaded: this peer's state at `epoch` is a copy of a donor's; it waits for an offer, never offers instead."""
+    """downloaded: this peer's state at `epoch` is a copy of a donor's; it waits for an offer, never offers instead.
+    offers: whether it offers its state; no peer decides by it any more (any peer done at `epoch` holds the final
+    state), so it only says what the peer did to whoever reads the record."""
     return {"epoch": epoch, "state": state, "offers": offers, "downloaded": downloaded}
 
 
@@ -111,8 +114,7 @@ def final_state_source(epoch: int, progress: Mapping[bytes, object], leaving: Ma
     candidate: False for a peer whose state at `epoch` was downloaded: it only copies a donor's, so it waits for an
     offer and never offers in the place of the peers whose rounds failed (nor do they wait for it to).
     """
-    others = {owner: (their_epoch, _announced(leaving.get(owner), their_epoch)[0])
-              for owner, their_epoch in _current_epochs(progress, leaving, me).items() if their_epoch >= epoch - 1}
+    others = _near_epoch(epoch, progress, leaving, me)
     if any(their_epoch >= epoch and (state == DONE or (their_epoch > epoch and state is None))
            for their_epoch, state in others.values()):
         return Source.DOWNLOAD
@@ -133,25 +135,31 @@ def final_state_source(epoch: int, progress: Mapping[bytes, object], leaving: Ma
 
 def seen_at_epoch(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes) -> str:
     """What this peer sees of the others at `epoch` and one behind, for its log: how many said what."""
-    said: Dict[str, int] = {}
-    for owner, their_epoch in _current_epochs(progress, leaving, me).items():
-        if their_epoch >= epoch - 1:
-            state = _announced(leaving.get(owner), their_epoch)[0] or "silent"
-            where = "ahead" if their_epoch > epoch else "behind" if their_epoch < epoch else "at it"
-            said[f"{state} {where}"] = said.get(f"{state} {where}", 0) + 1
+    def where(their_epoch: int) -> str:
+        return "ahead" if their_epoch > epoch else "behind" if their_epoch < epoch else "at it"
+
+    said = Counter(f"{state or 'silent'} {where(their_epoch)}"
+                   for their_epoch, state in _near_epoch(epoch, progress, leaving, me).values())
     return ", ".join(f"{count} {what}" for what, count in sorted(said.items())) or "no other peer"
 
 
-def _announced(record: object, epoch: int) -> Tuple[Optional[str], bool]:
-    """A leave record's state and offer, if it is for `epoch` (an older one is stale)."""
+def _near_epoch(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
+                me: bytes) -> Dict[bytes, Tuple[int, Optional[str]]]:
+    """The other peers at `epoch`, one behind it or ahead: owner -> (its epoch, the state its leave record says)."""
+    return {owner: (their_epoch, _announced(leaving.get(owner), their_epoch))
+            for owner, their_epoch in _current_epochs(progress, leaving, me).items() if their_epoch >= epoch - 1}
+
+
+def _announced(record: object, epoch: int) -> Optional[str]:
+    """A leave record's state, if it is for `epoch` (an older one is stale)."""
     if not isinstance(record, dict) or record.get("epoch") != epoch:
-        return None, False
-    return record.get("state"), record.get("offers") is True
+        return None
+    return record.get("state")
 
 
 def _announced_copy(record: object, epoch: int) -> bool:
     """Whether a leave record for `epoch` says that its owner's state there is a downloaded copy."""
-    return _announced(record, epoch)[0] is not None and record.get("downloaded") is True
+    return _announced(record, epoch) is not None and record.get("downloaded") is True
 
 
 def everyone_else_done(progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes) -> bool:
@@ -170,7 +178,7 @@ def everyone_else_leaving(progress: Mapping[bytes, object], leaving: Mapping[byt
 def _everyone_else_announced(progress: Mapping[bytes, object], leaving: Mapping[bytes, object], me: bytes,
                              states: Tuple[str, ...]) -> bool:
     others = _current_epochs(progress, leaving, me)
-    return bool(others) and all(_announced(leaving.get(owner), epoch)[0] in states for owner, epoch in others.items())
+    return bool(others) and all(_announced(leaving.get(owner), epoch) in states for owner, epoch in others.items())
 
 
 def may_join_round_to(epoch: int, progress: Mapping[bytes, object], leaving: Mapping[bytes, object],
@@ -180,7 +188,7 @@ def may_join_round_to(epoch: int, progress: Mapping[bytes, object], leaving: Map
     peer already past it never will, nor one at it, unless rounds run once their epoch has begun (`at_epoch`:
     local-sgd averages parameters in the background while its peers train on in the epoch)."""
     return any((their_epoch < epoch or (at_epoch and their_epoch == epoch))
-               and _announced(leaving.get(owner), their_epoch)[0] is None
+               and _announced(leaving.get(owner), their_epoch) is None
                for owner, their_epoch in _current_epochs(progress, leaving, me).items())
 
 
@@ -192,7 +200,7 @@ def may_publish_digest(epoch: int, progress: Mapping[bytes, object], leaving: Ma
     for an offer), are done at a lower epoch, or pause."""
     count = 0
     for owner, their_epoch in _current_epochs(progress, leaving, me).items():
-        state, _ = _announced(leaving.get(owner), their_epoch)
+        state = _announced(leaving.get(owner), their_epoch)
         done_below = their_epoch < epoch and state == DONE
         count += their_epoch >= epoch - 1 and state not in (DOWNLOADING, PAUSED) and not done_below
     return count
@@ -207,7 +215,7 @@ def needs_of_others(epoch: int, progress: Mapping[bytes, object], leaving: Mappi
     """
     needs = {}
     for owner, their_epoch in _current_epochs(progress, leaving, me).items():
-        state, _ = _announced(leaving.get(owner), their_epoch)
+        state = _announced(leaving.get(owner), their_epoch)
         if state in (DONE, PAUSED) or (their_epoch > epoch and state is None):
             needs[owner] = Need.NOTHING  # done at its own epoch (a lower --max-epochs, too), paused, or ahead
         elif their_epoch < epoch or state == DOWNLOADING:

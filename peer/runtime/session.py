@@ -232,7 +232,6 @@ class SwarmSession:
         and it waits as long again for the smallest id's offer (or offers, if that is this peer); then those still
         silent are left out, and it waits as long again for the offer of the smallest id that said it downloads. A
         peer that is no candidate (peer.runtime.leaving.final_state_source) only waits for an offer."""
-        source = Source.WAIT
         for waits in range(3):
             source = self._final_state_source(epoch, time.monotonic() + patience_seconds, waits, candidate)
             if source is not Source.WAIT:
