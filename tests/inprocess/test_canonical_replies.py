@@ -45,30 +45,31 @@ def assert_bit_identical(group) -> None:
 
 @contextlib.contextmanager
 def one_whole_round(values, prefix: str, make_defence=None, **options):
-    """Averagers of `values` that ran one round in which every peer received every part, with what step() returned.
+    """Averagers of `values` that ran one round in which every peer received every part.
 
     hivemind ends a round in which a reducer's stream failed as if it had succeeded, with the peer's own values in
     that reducer's part (averaging/pipeline/completeness.py). Such a round is partial, not canonical: the daemon
     sees it and downloads the swarm's state (tests/inprocess/test_partial_rounds.py). Canonical replies are about
-    whole rounds, so a partial one (a libp2p stream failing on a loaded machine) is run again with fresh averagers;
-    the runner logs why the reducer failed."""
+    whole rounds, so a partial round (a libp2p stream failing on a loaded machine), or one that some peer did not
+    end in one group with all the others (matchmaking that ran out of time), is run again with fresh averagers;
+    the log says why."""
     for attempt in range(ATTEMPTS):
         defences = [make_defence() for _ in values] if make_defence else None
         with averagers([value.clone() for value in values], defences=defences, prefix=f"{prefix}_{attempt}",
                        **options) as group:
             results = average_all(group)
-            if not any(completeness.missing_fraction(averager) for averager in group):
-                yield group, results
+            in_one_group = all(isinstance(result, dict) and len(result) == len(group) for result in results)
+            if in_one_group and not any(completeness.missing_fraction(averager) for averager in group):
+                yield group
                 return
-    pytest.fail(f"{ATTEMPTS} rounds in a row were partial: see the log for the reducers that failed")
+    pytest.fail(f"{ATTEMPTS} rounds in a row were not whole: see the log for the peers and reducers that failed")
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("codec", ["none", "fp16", "int8", "int4", "topk"])
 def test_three_peers_end_a_round_with_bit_identical_averages(codec):
     values = distinct_values(PEERS)
-    with one_whole_round(values, prefix=f"canonical_{codec}", compression=make_codec(codec)) as (group, results):
-        assert all(isinstance(result, dict) and len(result) == PEERS for result in results), results
+    with one_whole_round(values, prefix=f"canonical_{codec}", compression=make_codec(codec)) as group:
         assert_bit_identical(group)
         with group[0].get_tensors() as (tensor,):
             mean = sum(values) / PEERS
@@ -80,8 +81,7 @@ def test_three_peers_end_a_round_with_bit_identical_averages(codec):
 @pytest.mark.timeout(240)
 def test_robust_reducers_reply_canonically_too():
     with one_whole_round(distinct_values(PEERS), prefix="canonical_robust", compression=make_codec("fp16"),
-                         make_defence=lambda: Defence(RobustPolicy())) as (group, results):
-        assert all(isinstance(result, dict) for result in results), results
+                         make_defence=lambda: Defence(RobustPolicy())) as group:
         assert_bit_identical(group)
 
 

@@ -18,6 +18,9 @@ from tests.inprocess.test_averaging import run_in_threads, start_dhts
 
 PEERS = 4
 SIZE = PEERS * 2**17  # hivemind splits in parts of 2**17 float32 values: one part for each reducer
+# hivemind's default is no bound: a group whose member gave up matchmaking as the leader began (a loaded machine)
+# waited for its part forever; with a bound, each step raises instead, as the daemon's do (averaging_timeout_seconds)
+ALLREDUCE_TIMEOUT = 40.0
 
 
 def honest_values(seed: int) -> torch.Tensor:
@@ -44,7 +47,7 @@ def averagers(values: List[Union[torch.Tensor, List[torch.Tensor]]], defences: O
                 built.append(averager_class(
                     tensors if isinstance(tensors, list) else [tensors], dht, prefix=prefix,
                     target_group_size=len(values), min_group_size=2, min_matchmaking_time=2.0, request_timeout=1.0,
-                    start=True, **options,
+                    start=True, **{"allreduce_timeout": ALLREDUCE_TIMEOUT, **options},
                 ))
         yield built
     finally:
@@ -69,11 +72,12 @@ def average_all(group: List, timeout: float = 30.0, timeouts: Optional[List[floa
         def run():
             try:
                 results[index] = group[index].step(timeout=timeouts[index], weight=weights[index])
-            except hivemind.averaging.allreduce.AllreduceException as e:  # e.g. nobody would group with it
+            # nobody would group with it, or its group's all-reduce outlasted ALLREDUCE_TIMEOUT
+            except (hivemind.averaging.allreduce.AllreduceException, TimeoutError) as e:
                 results[index] = e
         return run
 
-    run_in_threads(*(step(index) for index in range(len(group))), timeout=max(timeouts) + 15)
+    run_in_threads(*(step(index) for index in range(len(group))), timeout=max(timeouts) + ALLREDUCE_TIMEOUT + 15)
     return results
 
 
