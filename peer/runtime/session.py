@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 START_SETTLE_SECONDS = 2.0
 """Peers that wait for each other start this long after the first of them saw the quorum: enough for
 the others, polling every 0.25 s, to see it too."""
+RESYNC_RETRY_SECONDS = 5.0
+"""How long a peer staying at its last epoch, found apart from the swarm's state, waits to download it again after a
+download that failed."""
 STATE_COMPARISON_SECONDS = SETTLE_SECONDS + 2 * CHECK_SECONDS
 """How long past its last round's deadline a peer leaving at its last epoch waits for that epoch's digests to be
 compared with those of every peer that may still publish one: a peer one epoch behind publishes its digest once its
@@ -203,11 +206,22 @@ class SwarmSession:
             offers = self.optimizer.offer_final_state()
         self._publish(self.keys.leaving, leave_record(epoch, DONE, offers))
         silent_since: Dict[bytes, float] = {}
+        resync_at = 0.0
         while not self.stop and time.monotonic() < deadline:
             if grouped and self.optimizer.better_final_offer():  # first: the others may all be done by now
                 logger.info("a final state ranked above the one this peer holds is offered (a smaller peer id's): "
                             "downloading it, so that the swarm ends with one state")
                 self.optimizer.download_final_state()
+            # the comparison above settles once the peers it counts have published, but the count comes from records
+            # that may lag, and peers that download vote for what they took: the digests that came later can outvote
+            # the state this peer settled on (16 peers: a peer offered its state, was found apart 8 s later, and left
+            # with it); the watch goes on comparing, so take the swarm's state, on every way out of this loop
+            if not grouped and self.optimizer.apart and time.monotonic() >= resync_at:
+                if self.optimizer.download_swarm_state():
+                    logger.info("this peer's final state was found apart from the swarm's after it had settled: "
+                                "it took the swarm's state")
+                else:  # no donor served it: try again, but not at every poll
+                    resync_at = time.monotonic() + RESYNC_RETRY_SECONDS
             progress, leaving = self._progress_and_leave_records()
             if everyone_else_done(progress, leaving, self.me):
                 return

@@ -1,7 +1,8 @@
 """Leaving at the last epoch with grouped rounds (peer/runtime/session.py), with a real DHT in this process: a peer
 that offered its state, or took another's, and then sees an offer ranked above it downloads that one before it
 leaves; without grouped rounds the offers all hold the swarm's one state, and nobody looks. A peer whose digests
-found it apart takes the swarm's state before anything else."""
+found it apart takes the swarm's state before anything else, or, found apart only after it offered its own, while it
+stays."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import pytest
 
 from dht.keys import SwarmKeys
 from peer.process.signals import StopRequest
+from peer.runtime import session as session_module
 from peer.runtime.session import SwarmSession
 
 EPOCH = 6
@@ -20,25 +22,38 @@ EPOCH = 6
 class LeavingOptimizer:
     """What leaving asks of the optimizer; a better offer shows up once this peer has offered its own."""
 
-    def __init__(self, grouped: bool, digest_apart: bool = False):
+    def __init__(self, grouped: bool, digest_apart: bool = False, apart_after_offer: bool = False,
+                 failed_downloads: int = 0, stay_seconds: float = 1.0):
         self.averages_in_groups, self.digest_apart, self.calls = grouped, digest_apart, []
-        self.deadlines = SimpleNamespace(matchmaking_seconds=1.0, averaging_timeout_seconds=2.0)
-        self.local_epoch, self.downloaded_at_epoch, self.apart = EPOCH, None, False
+        self.apart_after_offer, self.failed_downloads = apart_after_offer, failed_downloads
+        self.deadlines = SimpleNamespace(matchmaking_seconds=stay_seconds, averaging_timeout_seconds=2.0)
+        self.local_epoch, self.downloaded_at_epoch = EPOCH, None
         self._better_offers = 1
+
+    @property
+    def apart(self) -> bool:
+        return self.digest_apart
 
     def await_state_comparison(self, timeout_seconds: float, expected_peers=None) -> None:
         pass
 
     def download_swarm_state(self) -> bool:
-        if self.digest_apart:
-            self.calls.append("download the swarm's state")
-        return self.digest_apart
+        if not self.digest_apart:
+            return False
+        if self.failed_downloads:
+            self.failed_downloads -= 1
+            self.calls.append("no donor served the swarm's state")
+            return False
+        self.calls.append("download the swarm's state")
+        self.digest_apart = False  # it holds the swarm's state now
+        return True
 
     def load_state_from_donor_ahead(self) -> bool:
         return False
 
     def offer_final_state(self) -> bool:
         self.calls.append("offer")
+        self.digest_apart |= self.apart_after_offer  # the later digests outvoted the first ones it compared with
         return True
 
     def better_final_offer(self) -> bool:
@@ -50,9 +65,9 @@ class LeavingOptimizer:
         return True
 
 
-def leave(grouped: bool, digest_apart: bool = False) -> List[str]:
+def leave(grouped: bool, **apart) -> List[str]:
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    optimizer = LeavingOptimizer(grouped, digest_apart)
+    optimizer = LeavingOptimizer(grouped, **apart)
     session = SwarmSession(dht, SwarmKeys.for_run("final_offer_test"), optimizer, StopRequest(),
                            record_ttl_seconds=30.0)
     try:
@@ -78,3 +93,17 @@ def test_without_groups_a_peer_whose_round_was_whole_only_offers():
 def test_a_peer_its_digests_found_apart_takes_the_swarms_state_at_once_then_offers_it():
     # it knows the state to take and who holds it: no wait for offers, and it holds the swarm's state once it has
     assert leave(grouped=False, digest_apart=True) == ["download the swarm's state", "offer"]
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_found_apart_after_it_offered_takes_the_swarms_state_while_it_stays():
+    """16 peers: a peer compared its last digest with the first peers to publish, offered its state, was found apart
+    8 s later when all sixteen had published, and left with its own state."""
+    assert leave(grouped=False, apart_after_offer=True) == ["offer", "download the swarm's state"]
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_found_apart_while_it_stays_tries_again_after_a_download_that_failed(monkeypatch):
+    monkeypatch.setattr(session_module, "RESYNC_RETRY_SECONDS", 0.0)  # at the next poll, within its 3 s stay
+    assert leave(grouped=False, apart_after_offer=True, failed_downloads=1, stay_seconds=3.0) == [
+        "offer", "no donor served the swarm's state", "download the swarm's state"]
