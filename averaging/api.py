@@ -229,6 +229,11 @@ class SessionOptimizer(SwarmProgress, Protocol):
         `expected_peers`: how many peers, this one included, may still publish a digest there, where the caller
         knows better than the swarm's progress (a peer whose last round failed publishes none)."""
 
+    def state_apart_now(self) -> bool:
+        """Compare this peer's state digest with the swarm's as they are now; whether it is apart. Between epochs the
+        comparison rests once it has seen every peer it counts, but the digests at a last epoch go on changing as
+        the peers there download. False for a strategy that checks no digests."""
+
     def download_swarm_state(self) -> bool:
         """If this peer's state digest was found apart from the swarm's, download the swarm's state now, from a peer
         that holds it; True if one was loaded. A strategy that checks no digests downloads nothing."""

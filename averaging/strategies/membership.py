@@ -88,6 +88,12 @@ class SharesState(ReportsProgress):
         if self.agreement is not None and not self.rounds.apart:  # apart by its rounds, it downloads anyway
             self.agreement.await_comparison(self.local_epoch, timeout_seconds, expected_peers)
 
+    def state_apart_now(self) -> bool:
+        if self.agreement is None:
+            return False
+        self.agreement.refresh()
+        return self.agreement.apart()
+
     def download_swarm_state(self) -> bool:
         return self.agreement is not None and self.agreement.apart() and self.load_state_from_peers()
 

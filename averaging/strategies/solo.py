@@ -112,6 +112,9 @@ class SoloOptimizer(ReportsProgress):
                                expected_peers: Optional[Callable[[], int]] = None) -> None:
         """No state to compare."""
 
+    def state_apart_now(self) -> bool:
+        return False
+
     def download_swarm_state(self) -> bool:
         return False
 

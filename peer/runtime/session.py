@@ -64,9 +64,9 @@ logger = logging.getLogger(__name__)
 START_SETTLE_SECONDS = 2.0
 """Peers that wait for each other start this long after the first of them saw the quorum: enough for
 the others, polling every 0.25 s, to see it too."""
-RESYNC_RETRY_SECONDS = 5.0
-"""How long a peer staying at its last epoch, found apart from the swarm's state, waits to download it again after a
-download that failed."""
+RECHECK_SECONDS = 3.0
+"""How often a peer that stays at its last epoch compares its state with the swarm's again (a read of every peer's
+digests), and downloads the swarm's state if it is apart."""
 STATE_COMPARISON_SECONDS = SETTLE_SECONDS + 2 * CHECK_SECONDS
 """How long past its last round's deadline a peer leaving at its last epoch waits for that epoch's digests to be
 compared with those of every peer that may still publish one: a peer one epoch behind publishes its digest once its
@@ -206,22 +206,15 @@ class SwarmSession:
             offers = self.optimizer.offer_final_state()
         self._publish(self.keys.leaving, leave_record(epoch, DONE, offers))
         silent_since: Dict[bytes, float] = {}
-        resync_at = 0.0
+        recheck_at = 0.0
         while not self.stop and time.monotonic() < deadline:
             if grouped and self.optimizer.better_final_offer():  # first: the others may all be done by now
                 logger.info("a final state ranked above the one this peer holds is offered (a smaller peer id's): "
                             "downloading it, so that the swarm ends with one state")
                 self.optimizer.download_final_state()
-            # the comparison above settles once the peers it counts have published, but the count comes from records
-            # that may lag, and peers that download vote for what they took: the digests that came later can outvote
-            # the state this peer settled on (16 peers: a peer offered its state, was found apart 8 s later, and left
-            # with it); the watch goes on comparing, so take the swarm's state, on every way out of this loop
-            if not grouped and self.optimizer.apart and time.monotonic() >= resync_at:
-                if self.optimizer.download_swarm_state():
-                    logger.info("this peer's final state was found apart from the swarm's after it had settled: "
-                                "it took the swarm's state")
-                else:  # no donor served it: try again, but not at every poll
-                    resync_at = time.monotonic() + RESYNC_RETRY_SECONDS
+            if not grouped and time.monotonic() >= recheck_at:
+                recheck_at = time.monotonic() + RECHECK_SECONDS
+                self._take_swarm_state_if_outvoted(epoch, offers)
             progress, leaving = self._progress_and_leave_records()
             if everyone_else_done(progress, leaving, self.me):
                 return
@@ -237,6 +230,21 @@ class SwarmSession:
             if not waiting:
                 return
             self.stop.wait(0.5)
+
+    def _take_swarm_state_if_outvoted(self, epoch: int, offers: bool) -> None:
+        """While it stays: compare this peer's final state with the swarm's again, and take the swarm's if it is apart.
+
+        The comparison before it settled counted the peers its records showed, which may lag, and the digests the
+        others publish at the last epoch go on changing as they download; the swarm's state is the one most of them
+        hold now. Seen at 16 peers: peers that settled on the first digests to arrive, or that compared with all
+        sixteen before the others' downloads moved most of them to another state, left with their own: two final
+        states, 10 and 6 peers. Downloading, it says so, so that the others stay to serve it."""
+        if not self.optimizer.state_apart_now():
+            return
+        self._publish(self.keys.leaving, leave_record(epoch, DOWNLOADING, downloaded=True))
+        if self.optimizer.download_swarm_state():
+            logger.info("this peer's final state is not the one most peers hold now: it took the swarm's state")
+        self._publish(self.keys.leaving, leave_record(epoch, DONE, offers))
 
     def _take_final_state(self, epoch: int, patience_seconds: float, candidate: bool, why: str) -> bool:
         """After a failed last round (`why`: what left this peer apart): download the state a peer offers, or offer

@@ -6,12 +6,13 @@ stays."""
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import List
+from typing import Callable, List
 
 import hivemind
 import pytest
 
 from dht.keys import SwarmKeys
+from dht.records import read_by_owner
 from peer.process.signals import StopRequest
 from peer.runtime import session as session_module
 from peer.runtime.session import SwarmSession
@@ -20,14 +21,18 @@ EPOCH = 6
 
 
 class LeavingOptimizer:
-    """What leaving asks of the optimizer; a better offer shows up once this peer has offered its own."""
+    """What leaving asks of the optimizer; a better offer shows up once this peer has offered its own.
 
-    def __init__(self, grouped: bool, digest_apart: bool = False, apart_after_offer: bool = False,
+    outvoted_after_offer: the digests the others publish after this peer offered its state outvote it, which only a
+    fresh comparison (state_apart_now) shows; downloading, it notes what this peer's leave record said then."""
+
+    def __init__(self, grouped: bool, digest_apart: bool = False, outvoted_after_offer: bool = False,
                  failed_downloads: int = 0, stay_seconds: float = 1.0):
         self.averages_in_groups, self.digest_apart, self.calls = grouped, digest_apart, []
-        self.apart_after_offer, self.failed_downloads = apart_after_offer, failed_downloads
+        self.outvoted_after_offer, self.outvoted, self.failed_downloads = outvoted_after_offer, False, failed_downloads
         self.deadlines = SimpleNamespace(matchmaking_seconds=stay_seconds, averaging_timeout_seconds=2.0)
         self.local_epoch, self.downloaded_at_epoch = EPOCH, None
+        self.announced: Callable[[], str] = lambda: "unknown"
         self._better_offers = 1
 
     @property
@@ -37,15 +42,19 @@ class LeavingOptimizer:
     def await_state_comparison(self, timeout_seconds: float, expected_peers=None) -> None:
         pass
 
+    def state_apart_now(self) -> bool:
+        self.digest_apart |= self.outvoted
+        return self.digest_apart
+
     def download_swarm_state(self) -> bool:
         if not self.digest_apart:
             return False
         if self.failed_downloads:
             self.failed_downloads -= 1
-            self.calls.append("no donor served the swarm's state")
+            self.calls.append(f"no donor served the swarm's state ({self.announced()})")
             return False
-        self.calls.append("download the swarm's state")
-        self.digest_apart = False  # it holds the swarm's state now
+        self.calls.append(f"download the swarm's state ({self.announced()})")
+        self.digest_apart = self.outvoted = False  # it holds the swarm's state now
         return True
 
     def load_state_from_donor_ahead(self) -> bool:
@@ -53,7 +62,7 @@ class LeavingOptimizer:
 
     def offer_final_state(self) -> bool:
         self.calls.append("offer")
-        self.digest_apart |= self.apart_after_offer  # the later digests outvoted the first ones it compared with
+        self.outvoted |= self.outvoted_after_offer
         return True
 
     def better_final_offer(self) -> bool:
@@ -68,8 +77,9 @@ class LeavingOptimizer:
 def leave(grouped: bool, **apart) -> List[str]:
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     optimizer = LeavingOptimizer(grouped, **apart)
-    session = SwarmSession(dht, SwarmKeys.for_run("final_offer_test"), optimizer, StopRequest(),
-                           record_ttl_seconds=30.0)
+    keys = SwarmKeys.for_run("final_offer_test")
+    session = SwarmSession(dht, keys, optimizer, StopRequest(), record_ttl_seconds=30.0)
+    optimizer.announced = lambda: (read_by_owner(dht, keys.leaving).get(session.me) or {}).get("state", "no record")
     try:
         session.leave_at_last_epoch("ok")
         return optimizer.calls
@@ -92,18 +102,18 @@ def test_without_groups_a_peer_whose_round_was_whole_only_offers():
 @pytest.mark.timeout(60)
 def test_a_peer_its_digests_found_apart_takes_the_swarms_state_at_once_then_offers_it():
     # it knows the state to take and who holds it: no wait for offers, and it holds the swarm's state once it has
-    assert leave(grouped=False, digest_apart=True) == ["download the swarm's state", "offer"]
+    assert leave(grouped=False, digest_apart=True) == ["download the swarm's state (no record)", "offer"]
 
 
 @pytest.mark.timeout(60)
-def test_a_peer_found_apart_after_it_offered_takes_the_swarms_state_while_it_stays():
-    """16 peers: a peer compared its last digest with the first peers to publish, offered its state, was found apart
-    8 s later when all sixteen had published, and left with its own state."""
-    assert leave(grouped=False, apart_after_offer=True) == ["offer", "download the swarm's state"]
+def test_a_peer_outvoted_after_it_offered_says_it_downloads_and_takes_the_swarms_state_while_it_stays():
+    """16 peers: a peer compared its last digest with the first peers to publish, offered its state, and was
+    outvoted once the others had published and downloaded; nothing compared again, and it left with its own."""
+    assert leave(grouped=False, outvoted_after_offer=True) == ["offer", "download the swarm's state (downloading)"]
 
 
 @pytest.mark.timeout(60)
-def test_a_peer_found_apart_while_it_stays_tries_again_after_a_download_that_failed(monkeypatch):
-    monkeypatch.setattr(session_module, "RESYNC_RETRY_SECONDS", 0.0)  # at the next poll, within its 3 s stay
-    assert leave(grouped=False, apart_after_offer=True, failed_downloads=1, stay_seconds=3.0) == [
-        "offer", "no donor served the swarm's state", "download the swarm's state"]
+def test_a_peer_outvoted_while_it_stays_tries_again_after_a_download_that_failed(monkeypatch):
+    monkeypatch.setattr(session_module, "RECHECK_SECONDS", 0.0)  # at the next poll, within its 3 s stay
+    assert leave(grouped=False, outvoted_after_offer=True, failed_downloads=1, stay_seconds=3.0) == [
+        "offer", "no donor served the swarm's state (downloading)", "download the swarm's state (downloading)"]

@@ -132,6 +132,9 @@ class FakeOptimizer:
     def await_state_comparison(self, timeout_seconds: float, expected_peers=None) -> None:
         self.calls.append("await_state_comparison")
 
+    def state_apart_now(self) -> bool:
+        return False
+
     def download_swarm_state(self) -> bool:
         return False
 
