@@ -24,7 +24,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
-from typing import AsyncIterator, Callable, List, Optional
+from typing import AsyncIterator, Callable, List, Optional, Tuple
 
 import hivemind
 import torch
@@ -194,9 +194,10 @@ class ReportingStateAverager(GuardedStateAverager):
     """
 
     def __init__(self, *, report: Callable[[RoundReport], None],
-                 group_for: Optional[Callable[[int], int]] = None, **kwargs):
-        """:param group_for: for grouped rounds, the group of the round that leads to an epoch
-        (averaging/swarm/groups.py); its rounds meet under that group's key (averaging/adapter/epoch_keys.py)"""
+                 group_for: Optional[Callable[[int], Tuple[int, int]]] = None, **kwargs):
+        """:param group_for: for grouped rounds, the group of the round that leads to an epoch and how many peers
+        were dealt into it (averaging/swarm/groups.py); its rounds meet under that group's key and close once they
+        are all in (averaging/adapter/epoch_keys.py)"""
         self._report, self._group_for = report, group_for
         # made before the averager process forks: shared with it
         self.chosen_group = ChosenGroup() if group_for is not None else None
@@ -214,7 +215,7 @@ class ReportingStateAverager(GuardedStateAverager):
 
     def _choose_group(self, epoch) -> None:
         if self._group_for is not None and isinstance(epoch, int):
-            self.chosen_group.choose(epoch, self._group_for(epoch))
+            self.chosen_group.choose(epoch, *self._group_for(epoch))
 
     def _do(self, wait_for_trigger, optimizer_step, zero_grad, averaging_round, averaging_control, grad_scaler,
             set_to_none, timeout=None, **kwargs):

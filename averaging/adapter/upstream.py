@@ -44,6 +44,16 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_MATCHMAKING}.looking_for_group": ("a7f0ac4565e90cc9", "averaging/adapter/epoch_keys.py"),
     "hivemind.averaging.key_manager.GroupKeyManager.current_key":
         ("1b0f9d71104a01b3", "averaging/adapter/epoch_keys.py"),
+    # a grouped round's target group size and window, set for it by averaging/adapter/epoch_keys.py: where they are read
+    f"{_MATCHMAKING}.rpc_join_group": ("0d6120e412849439", "averaging/adapter/epoch_keys.py"),
+    f"{_MATCHMAKING}._check_reasons_to_reject": ("c694e8194862154f", "averaging/adapter/epoch_keys.py"),
+    "hivemind.averaging.matchmaking.PotentialLeaders._declare_averager_periodically":
+        ("36280203c3a0aca0", "averaging/adapter/epoch_keys.py"),
+    "hivemind.averaging.matchmaking.PotentialLeaders._update_queue_periodically":
+        ("13036c7d743da89e", "averaging/adapter/epoch_keys.py"),
+    "hivemind.averaging.control.StepControl.deadline":
+        ("63918b9d81398e9a", "averaging/adapter/epoch_keys.py (it sets _deadline)"),
+    f"{_AVERAGER}._step": ("dfbb4416e9ebba51", "averaging/adapter/epoch_keys.py (a round's deadline ends its retries)"),
     f"{_AVERAGER}.rpc_aggregate_part": ("06ad9597d5884df8", "averaging/adapter/grace.py"),
     "hivemind.averaging.averager.load_balance_peers": ("32f8b8d0c41d2653", "averaging/adapter/grace.py"),
     "hivemind.optim.power_sgd_averager.load_balance_peers": ("32f8b8d0c41d2653", "averaging/adapter/grace.py"),

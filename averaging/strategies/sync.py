@@ -52,7 +52,7 @@ from averaging.strategies.membership import SharesState, join_or_terminate
 from averaging.strategies.parts import StrategyParts, next_chunk_timeout
 from averaging.strategies.rounds import RoundKeeper, set_matchmaking_window
 from averaging.swarm import progress
-from averaging.swarm.groups import RecentPeers, round_group
+from averaging.swarm.groups import DealtGroup, RecentPeers, round_group
 from dht.keys import SwarmKeys
 
 logger = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
             **kwargs,
         )
 
-    def _round_group(self, epoch: int) -> int:
+    def _round_group(self, epoch: int) -> DealtGroup:
         """This peer's group in the round that leads to `epoch`, among the training peers its tracker has read: their
         epochs are not asked, since a record may lag its peer's epoch by a refresh (a peer far behind downloads)."""
         return round_group(epoch, self.tracker.members.current(), self.dht.peer_id.to_bytes(), self.group_size)

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Dict, FrozenSet, Iterable, Tuple
+from typing import Dict, FrozenSet, Iterable, NamedTuple, Tuple
 
 
-def round_group(epoch: int, members: Iterable[bytes], me: bytes, group_size: int) -> int:
-    """This peer's group (0 to N // group_size - 1) in the round that leads to `epoch`.
+class DealtGroup(NamedTuple):
+    index: int  # 0 to N // group_size - 1
+    size: int  # how many peers were dealt into it, this one included
+
+
+def round_group(epoch: int, members: Iterable[bytes], me: bytes, group_size: int) -> DealtGroup:
+    """This peer's group in the round that leads to `epoch`, and how many peers were dealt into it.
 
     :param members: the peer ids (bytes) of the peers in the round, as this peer sees them; this peer's own is added
     """
@@ -28,7 +33,9 @@ def round_group(epoch: int, members: Iterable[bytes], me: bytes, group_size: int
         return hashlib.sha256(epoch.to_bytes(8, "little", signed=True) + peer).digest()
 
     everyone = sorted(set(members) | {me}, key=drawn)
-    return everyone.index(me) % max(1, len(everyone) // group_size)
+    groups = max(1, len(everyone) // group_size)
+    index = everyone.index(me) % groups
+    return DealtGroup(index, len(range(index, len(everyone), groups)))
 
 
 class RecentPeers:

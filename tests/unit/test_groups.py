@@ -19,10 +19,16 @@ def groups_of(epoch: int, peers, size: int) -> dict:
     return {peer: round_group(epoch, peers, peer, size) for peer in peers}
 
 
+def sizes(dealt: dict) -> list:
+    """The groups' sizes as counted, after checking that each member was told its group's size."""
+    counted = Counter(group.index for group in dealt.values())
+    assert all(group.size == counted[group.index] for group in dealt.values()), dealt
+    return sorted(counted.values())
+
+
 def test_sixteen_peers_in_groups_of_four_are_four_groups_of_four_that_every_peer_deals_alike():
     for epoch in range(5):
-        dealt = groups_of(epoch, PEERS, 4)
-        assert sorted(Counter(dealt.values()).values()) == [4, 4, 4, 4]
+        assert sizes(groups_of(epoch, PEERS, 4)) == [4, 4, 4, 4]
 
 
 def test_the_groups_change_from_round_to_round_so_every_pair_meets():
@@ -35,9 +41,11 @@ def test_the_groups_change_from_round_to_round_so_every_pair_meets():
 
 
 def test_a_swarm_that_k_does_not_divide_has_groups_of_k_to_2k_minus_1_and_a_small_one_is_one_group():
-    assert sorted(Counter(groups_of(7, PEERS[:5], 2).values()).values()) == [2, 3]
-    assert set(groups_of(7, PEERS[:3], 2).values()) == {0}
-    assert round_group(7, [], b"alone", 4) == 0
+    for epoch in range(5):
+        assert sizes(groups_of(epoch, PEERS[:5], 2)) == [2, 3]
+        assert sizes(groups_of(epoch, PEERS[:7], 3)) == [3, 4]
+    assert set(groups_of(7, PEERS[:3], 2).values()) == {(0, 3)}
+    assert round_group(7, [], b"alone", 4) == (0, 1)
 
 
 def test_a_peer_counts_itself_whether_or_not_its_own_record_was_read():
