@@ -119,8 +119,8 @@ class AveragingConfig(BaseModel):
         description="local-sgd: average parameters in groups of about this many peers (this many to twice as many "
         "less one), not the whole swarm. The groups are dealt anew in every round, so the swarm mixes across "
         "rounds; at --max-epochs, every peer takes one peer's state before it leaves. A round then waits for its "
-        "group, not for the slowest of many peers: for swarms of more than about 8 peers, or on slow links. Unset: "
-        "every round averages the whole swarm.",
+        "group, not for the slowest of many peers (until they are all in, or for three --matchmaking-seconds): for "
+        "swarms of more than about 8 peers, or on slow links. Unset: every round averages the whole swarm.",
     )
     average_opt_statistics: List[str] = Field(
         default_factory=list,
