@@ -86,11 +86,11 @@ async def looking_for_group_in_epoch(self: Matchmaking, step_control: StepContro
     async with _looking_for_group(self, step_control):
         epoch = round_epoch(step_control)
         dealt = _chosen_group.of_round(epoch) if _chosen_group is not None else None
-        self.group_key_manager.round_epoch = epoch
-        self.group_key_manager.round_group = dealt[0] if dealt is not None else None
+        group, size = dealt if dealt is not None else (None, None)
+        self.group_key_manager.round_epoch, self.group_key_manager.round_group = epoch, group
         upstream = self.target_group_size, self.min_matchmaking_time
-        if dealt is not None:
-            self.target_group_size = dealt[1]  # the leader closes the group once they are all in
+        if size is not None:
+            self.target_group_size = size  # the leader closes the group once they are all in
             # the round's own window: the floor, or until its scheduled start (how an 'auto' window reaches it)
             window = GROUP_WINDOW_FACTOR * max(self.min_matchmaking_time, step_control.scheduled_time - get_dht_time())
             self.min_matchmaking_time = self.potential_leaders.min_matchmaking_time = window

@@ -35,7 +35,7 @@ def round_group(epoch: int, members: Iterable[bytes], me: bytes, group_size: int
     everyone = sorted(set(members) | {me}, key=drawn)
     groups = max(1, len(everyone) // group_size)
     index = everyone.index(me) % groups
-    return DealtGroup(index, len(range(index, len(everyone), groups)))
+    return DealtGroup(index, len(everyone[index::groups]))
 
 
 class RecentPeers:

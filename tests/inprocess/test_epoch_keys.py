@@ -61,27 +61,28 @@ def test_gather_epochs_fills_in_the_epoch_a_round_leads_to_unless_the_caller_gat
 
 
 class GroupedAverager(hivemind.averaging.DecentralizedAverager):
-    """An averager whose rounds look for the group chosen in `chosen`, as ReportingStateAverager's do."""
+    """An averager whose rounds look for the group chosen in `chosen`, as ReportingStateAverager's do (none: the
+    epoch's key, as the gradient averagers' rounds)."""
 
-    def __init__(self, *args, chosen: ChosenGroup, **kwargs):
+    def __init__(self, *args, chosen: Optional[ChosenGroup], **kwargs):
         self.chosen = chosen
         super().__init__(*args, **kwargs)
 
     def run(self):
-        self.chosen.use()
+        if self.chosen is not None:
+            self.chosen.use()
         super().run()
 
 
-def start_averagers(count: int, min_matchmaking_time: float = 2.0, chosen: Optional[ChosenGroup] = None,
-                    ) -> List[hivemind.averaging.DecentralizedAverager]:
+def start_averagers(count: int, min_matchmaking_time: float = 2.0,
+                    chosen: Optional[ChosenGroup] = None) -> List[GroupedAverager]:
     adapter.install()  # the patches reach the averager processes at fork
     first = hivemind.DHT(start=True, host_maddrs=LOCALHOST)
     dhts = [first] + [hivemind.DHT(start=True, host_maddrs=LOCALHOST, initial_peers=first.get_visible_maddrs())
                       for _ in range(count - 1)]
-    kind, grouped = (hivemind.averaging.DecentralizedAverager, {}) if chosen is None else (GroupedAverager,
-                                                                                          dict(chosen=chosen))
-    return [kind([torch.full((16,), float(index))], dht, prefix="epochs", min_matchmaking_time=min_matchmaking_time,
-                 request_timeout=0.5, start=True, **grouped) for index, dht in enumerate(dhts)]
+    return [GroupedAverager([torch.full((16,), float(index))], dht, prefix="epochs", chosen=chosen,
+                            min_matchmaking_time=min_matchmaking_time, request_timeout=0.5, start=True)
+            for index, dht in enumerate(dhts)]
 
 
 def shut_down(averagers) -> None:
