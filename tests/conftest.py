@@ -17,6 +17,8 @@ from typing import Callable, Dict, List
 import pytest
 import yaml
 
+from peer.process.fork_server import ForkServer
+from peer.testing import harness
 from tests.peers import REPO_ROOT
 from tests.system_tools import system_tool
 
@@ -37,6 +39,21 @@ def pytest_addoption(parser) -> None:
     parser.addoption("--record-durations", metavar="PATH", default=None,
                      help=f"After the run, write the seconds of each test that took {LISTED_FROM_SECONDS:.0f} s or "
                           "more (setup, call and teardown) to PATH as JSON: how tests/durations.json is made.")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def peers_forked_from_a_server():
+    """Every test's harness peers (not `peer swarm`, nor one under a prefix) are forked by one server per pytest
+    worker, which has imported torch and hivemind once, instead of each importing them as a new program: about 5
+    of a peer's 8-10 CPU seconds to `ready`, on a machine the suite keeps busy. The server starts on the first
+    peer, so a worker that starts none does not pay for it."""
+    server = ForkServer()
+    harness.fork_peers_from(server)
+    try:
+        yield server
+    finally:
+        harness.fork_peers_from(None)
+        server.close()
 
 
 @pytest.fixture

@@ -128,7 +128,7 @@ def run_local_swarm(config: PeerConfig, num_peers: int, summary_dir: Optional[Pa
     children: List[Preforked] = []
     if not gpus:  # prepare_cpu_peers() has run
         preload_peer_modules()
-        children = preforked.prefork(num_peers, functools.partial(_forked_peer, command))
+        children = preforked.prefork(num_peers, functools.partial(forked_peer, command))
     try:
         return asyncio.run(_run_local_swarm(config, num_peers, summary_dir, base_args, gpus, children))
     finally:
@@ -145,7 +145,7 @@ def preload_peer_modules() -> None:
     from peer.cli import start  # noqa: F401 (torch, hivemind and the peer's own modules)
 
 
-def _forked_peer(command: preforked.Command, argv: List[str]) -> int:
+def forked_peer(command: preforked.Command, argv: List[str]) -> int:
     """A preforked child's `peer start`, with hivemind locks of its own (not shared with the other peers)."""
     from averaging import adapter  # preloaded: torch must not be imported before the threads are set
 

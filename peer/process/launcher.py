@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Deque, Dict, List, Optional, Sequenc
 import psutil
 
 from peer.process import lifeline
+from peer.process.fork_server import ForkServer, ServedProcess
 from peer.process.preforked import ForkedProcess, Preforked
 from peer.telemetry.events import Event, Exited, Ready, latest_epoch, read_events
 
@@ -46,7 +47,8 @@ class Peer:
     def __init__(self, name: str, command: str, args: Sequence[str], workdir: Path,
                  env: Optional[Dict[str, str]] = None, prefix: Sequence[str] = (), *, events: bool = True,
                  output: Optional[Callable[[str], None]] = None, events_path: Optional[Path] = None,
-                 die_with_parent: bool = False, preforked: Optional[Preforked] = None):
+                 die_with_parent: bool = False, preforked: Optional[Preforked] = None,
+                 fork_server: Optional[ForkServer] = None):
         """
         :param prefix: what the command runs under, such as `ip netns exec NAME` or `taskset -c 0`
         :param events: pass --events (`peer start` and `peer bootstrap` write them; other commands do not)
@@ -54,9 +56,14 @@ class Peer:
         :param die_with_parent: the process gets SIGTERM (a graceful stop) if this one dies
         :param preforked: run the command in this child, forked with torch and hivemind already imported
             (peer/process/preforked.py), instead of a new program; it needs `output`, and starts once
+        :param fork_server: run the command in a child that this server forks, with torch and hivemind already
+            imported (peer/process/fork_server.py), instead of a new program; not with a prefix. Such a child dies
+            with the server, which dies with this process.
         """
         if preforked is not None and (output is None or prefix):
             raise ValueError("a preforked peer relays its output to a callback and runs under no prefix")
+        if fork_server is not None and prefix:
+            raise ValueError("a peer from the fork server runs under no prefix")
         self.name, self.command, self.args = name, command, list(args)
         self.workdir, self.prefix = workdir, list(prefix)
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -64,7 +71,8 @@ class Peer:
         self.log_path = workdir / f"{name}.log"
         self.checkpoint_dir = workdir / name
         self.output, self.die_with_parent, self.preforked = output, die_with_parent, preforked
-        self.process: Optional[Union[subprocess.Popen, ForkedProcess]] = None
+        self.fork_server = fork_server
+        self.process: Optional[Union[subprocess.Popen, ForkedProcess, ServedProcess]] = None
         self._left_behind: List[psutil.Process] = []  # its session's other processes when its exit was collected
         self._exit_seen = False
         self._recent_output: Deque[str] = deque(maxlen=RECENT_OUTPUT_LINES)  # when relayed: for failure messages
@@ -85,6 +93,8 @@ class Peer:
             argv += ["--events", str(self.events_path)]
         if self.preforked is not None:
             self.process = self.preforked.launch(argv, self.env)  # its own session, and it dies with this one
+        elif self.fork_server is not None:
+            self.process = self.fork_server.launch(argv, self.env, None if self.output else self.log_path)
         else:
             self.process = self._new_program(argv)
         if self.output is not None:
@@ -117,7 +127,7 @@ class Peer:
             self._left_behind = session_processes(self.process.pid)
         return code
 
-    def _relay_output(self, process: Union[subprocess.Popen, ForkedProcess]) -> None:
+    def _relay_output(self, process: Union[subprocess.Popen, ForkedProcess, ServedProcess]) -> None:
         for line in process.stdout:
             line = line.rstrip("\n")
             self._recent_output.append(line)
@@ -189,7 +199,7 @@ class Peer:
         self.start()
         return await self.ready(timeout)
 
-    def _running_process(self) -> Union[subprocess.Popen, ForkedProcess]:
+    def _running_process(self) -> Union[subprocess.Popen, ForkedProcess, ServedProcess]:
         if self.process is None:
             raise RuntimeError(f"{self.name} was never started")
         return self.process

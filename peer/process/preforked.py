@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import traceback
-from typing import Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 from peer.process import lifeline
 from peer.process.fork_sharing import freeze_before_fork
@@ -124,24 +124,30 @@ def _run_child(command: Command, parent_pid: int, command_read: int, output_writ
         lifeline.die_with_parent()
         if os.getppid() != parent_pid:  # it died before the line above: no signal will come
             os._exit(1)
-        _redirect_output(output_write)
+        redirect_output(output_write)
         with os.fdopen(command_read, "rb") as pipe:
             payload = pipe.read(COMMAND_LIMIT_BYTES + 1)
         if not payload:  # discarded
             os._exit(0)
-        launch = json.loads(payload)
-        os.chdir(launch["cwd"])
-        os.environ.clear()
-        os.environ.update(launch["env"])
-        sys.argv = ["peer", *launch["argv"]]
-        code = command(launch["argv"])
+        code = run_launch(command, json.loads(payload))
     except BaseException:  # noqa: B036 -- whatever happens, the child must not return into the parent's code
         traceback.print_exc()
     finally:
-        _exit(code)
+        exit_child(code)
 
 
-def _redirect_output(output_write: int) -> None:
+def run_launch(command: Command, launch: Dict[str, Any]) -> int:
+    """Run a launch's command line (`argv`) with `command`, in its directory (`cwd`) and environment (`env`), as
+    the one program of this process; its exit code."""
+    os.chdir(launch["cwd"])
+    os.environ.clear()
+    os.environ.update(launch["env"])
+    sys.argv = ["peer", *launch["argv"]]
+    return command(launch["argv"])
+
+
+def redirect_output(output_write: int) -> None:
+    """Standard input from /dev/null, standard output and error to `output_write` (closed here), line by line."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -152,7 +158,7 @@ def _redirect_output(output_write: int) -> None:
         stream.reconfigure(line_buffering=True, write_through=True)
 
 
-def _exit(code: int) -> None:
+def exit_child(code: int) -> None:
     """Leave as the interpreter would at exit (threading's exit hooks, such as the thread pools' stop, then a join
     of every thread that is not a daemon; then the exit handlers: multiprocessing stops its children, logging
     flushes), but without unwinding into the parent's frames, which the child inherited and must never run."""

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import psutil
 
+from peer.process.fork_server import ForkServer
 from peer.process.launcher import EVENT_WRITERS, KILL_WAIT_SECONDS, POLL_SECONDS, Peer, PeerFailed
 from peer.testing.faults import FaultPlan
 
@@ -46,6 +47,8 @@ FAST_ARGS = (
 FAST_ENV = {"OMP_NUM_THREADS": "1"}
 """With fast=True, one torch thread per peer: several peers share the machine, and torch's default of a thread per
 core oversubscribes it (six swarm tests on 2 cores took 153 s instead of 172 s)."""
+NEW_PROGRAM_COMMANDS = ("swarm",)  # it sets torch's threads for its peers before it imports torch
+_fork_server: Optional[ForkServer] = None  # fork_peers_from()
 
 
 class Swarm:
@@ -83,8 +86,9 @@ class Swarm:
             prefix: Sequence[str] = ()) -> Peer:
         """Start any `peer` command (`bootstrap`, `monitor`, `swarm`...) with `args` alone, torn down with the
         swarm; `start` and `bootstrap` write events."""
+        forked = _fork_server is not None and command not in NEW_PROGRAM_COMMANDS and not prefix
         peer = Peer(name, command, args, self.workdir, {**self.env, **(env or {})}, prefix,
-                    events=command in EVENT_WRITERS)
+                    events=command in EVENT_WRITERS, fork_server=_fork_server if forked else None)
         self.peers.append(peer.start())
         return peer
 
@@ -182,6 +186,15 @@ class Swarm:
                     pass
             await asyncio.sleep(POLL_SECONDS)
         raise PeerFailed(f"processes of the swarm survived SIGKILL: {[proc.pid for proc in survivors]}")
+
+
+def fork_peers_from(server: Optional[ForkServer]) -> None:
+    """From now on, start the harness's processes as children of `server` (peer/process/fork_server.py), which has
+    imported torch and hivemind once, instead of as new programs that each import them (about 5 CPU seconds a
+    peer): the tests do (tests/conftest.py); a benchmark that measures a volunteer's peer must not. Not `peer
+    swarm`, nor a process under a prefix. None: new programs again."""
+    global _fork_server
+    _fork_server = server
 
 
 def max_parameter_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:

@@ -143,7 +143,7 @@ def test_the_child_output_is_read_a_line_at_a_time():
     assert result["lines"] > 5
 
 
-def test_a_forked_peer_has_hivemind_locks_of_its_own():
+def test_aforked_peer_has_hivemind_locks_of_its_own():
     """hivemind makes its result lock as it is imported. The parent here holds it for good, as a peer killed while
     holding it would. A child that shares it never gets a result from its own subprocess (the hazard, shown so that
     this test can fail); a child started as `peer swarm` starts its peers makes its own, and gets the result. The
@@ -152,7 +152,7 @@ def test_a_forked_peer_has_hivemind_locks_of_its_own():
         import functools
         import multiprocessing as mp
         from hivemind.utils.mpfuture import MPFuture
-        from peer.cli.swarm import _forked_peer
+        from peer.cli.swarm import forked_peer
 
         def round_trip(argv):
             future = MPFuture()
@@ -167,7 +167,7 @@ def test_a_forked_peer_has_hivemind_locks_of_its_own():
                 sender.join(5)
 
         (sharing,) = preforked.prefork(1, round_trip)
-        (own,) = preforked.prefork(1, functools.partial(_forked_peer, round_trip))
+        (own,) = preforked.prefork(1, functools.partial(forked_peer, round_trip))
         MPFuture._update_lock.acquire()
         codes = {}
         # the sharing child can never get its result: 5 s show it; the other one gets it as soon as it comes
