@@ -146,7 +146,8 @@ def preload_peer_modules() -> None:
 
 
 def forked_peer(command: preforked.Command, argv: List[str]) -> int:
-    """A preforked child's `peer start`, with hivemind locks of its own (not shared with the other peers)."""
+    """A forked child's `peer` command (`peer swarm`'s peers, the fork server's children), with hivemind locks of its
+    own (not shared with the other peers)."""
     from averaging import adapter  # preloaded: torch must not be imported before the threads are set
 
     adapter.make_own_locks()

@@ -39,7 +39,7 @@ START_TIMEOUT_SECONDS = 120.0  # its imports, on a loaded machine
 REQUEST_TIMEOUT_SECONDS = 30.0
 REAP_SECONDS = 0.05  # how often the server collects exited children between requests
 HEADER = struct.Struct("!I")  # a request's length, before its JSON
-LOST_EXIT_CODE = -signal.SIGKILL  # a child whose server died before telling its code (it got SIGTERM, then...)
+LOST_EXIT_CODE = -signal.SIGKILL  # a child whose server died before telling its code (the child got SIGTERM)
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # read when torch is imported: the child sets them itself
 
 

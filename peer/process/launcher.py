@@ -34,6 +34,7 @@ RELAY_DRAIN_SECONDS = 1.0  # a child that outlived the process may hold its outp
 EVENT_WRITERS = ("start", "bootstrap")  # the commands that take --events
 
 E = TypeVar("E", bound=Event)
+Process = Union[subprocess.Popen, ForkedProcess, ServedProcess]  # what runs a peer: a new program, or a forked child
 T = TypeVar("T")
 
 
@@ -72,7 +73,7 @@ class Peer:
         self.checkpoint_dir = workdir / name
         self.output, self.die_with_parent, self.preforked = output, die_with_parent, preforked
         self.fork_server = fork_server
-        self.process: Optional[Union[subprocess.Popen, ForkedProcess, ServedProcess]] = None
+        self.process: Optional[Process] = None
         self._left_behind: List[psutil.Process] = []  # its session's other processes when its exit was collected
         self._exit_seen = False
         self._recent_output: Deque[str] = deque(maxlen=RECENT_OUTPUT_LINES)  # when relayed: for failure messages
@@ -127,7 +128,7 @@ class Peer:
             self._left_behind = session_processes(self.process.pid)
         return code
 
-    def _relay_output(self, process: Union[subprocess.Popen, ForkedProcess, ServedProcess]) -> None:
+    def _relay_output(self, process: Process) -> None:
         for line in process.stdout:
             line = line.rstrip("\n")
             self._recent_output.append(line)
@@ -199,7 +200,7 @@ class Peer:
         self.start()
         return await self.ready(timeout)
 
-    def _running_process(self) -> Union[subprocess.Popen, ForkedProcess, ServedProcess]:
+    def _running_process(self) -> Process:
         if self.process is None:
             raise RuntimeError(f"{self.name} was never started")
         return self.process
