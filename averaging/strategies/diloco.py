@@ -241,7 +241,7 @@ class DiLoCoOptimizer(SharesState):
         return loaded
 
     def _download_state(self, **kwargs) -> None:
-        self._refresh_donors()
+        self._before_download_attempt()
         self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
 
     def state_dict(self) -> dict:

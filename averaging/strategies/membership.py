@@ -158,10 +158,19 @@ class SharesState(ReportsProgress):
             agreement.start(select, expected_peers=lambda: self.tracker.global_progress.num_peers,
                             serves=lambda: self.state_averager.allow_state_sharing)
 
-    def _refresh_donors(self) -> None:
-        """Before each download attempt: refuse as donors the peers apart from the swarm's state now, not those of
-        the last comparison (16 peers: three apart ones refused every repaired peer, found the peers that held the
-        swarm's state gone, and left with their own)."""
+    def _before_download_attempt(self) -> None:
+        """Before each download attempt, two things.
+
+        Store this peer's progress record: hivemind's tracker stops storing it once the swarm's epoch is two past
+        the last one this peer accumulated samples in, so a peer that has fallen behind and spends its attempts
+        downloading vanishes after the record's time to live, and peers leaving at --max-epochs, seeing nobody
+        behind, leave without serving it (seen in CI: a peer whose round failed tried for 18 s, the other two left,
+        and it ended with its own state, 3e-2 apart).
+
+        Refuse as donors the peers apart from the swarm's state now, not those of the last comparison (16 peers:
+        three apart ones refused every repaired peer, found the peers that held the swarm's state gone, and left
+        with their own)."""
+        self.announce()
         if self.agreement is not None:
             self.agreement.refresh()
 

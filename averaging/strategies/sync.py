@@ -273,7 +273,7 @@ class SyncOptimizer(SharesState, HookedOptimizer):
         return loaded
 
     def _download_state(self, **kwargs) -> None:
-        self._refresh_donors()
+        self._before_download_attempt()
         self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
         if self.grad_averager is not None:
             self.grad_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)

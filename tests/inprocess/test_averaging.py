@@ -10,6 +10,7 @@ from typing import List, Optional
 import hivemind
 import pytest
 import torch
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
 from averaging import adapter
@@ -21,7 +22,9 @@ from averaging.pipeline.robust import WeightBound
 from averaging.strategies.diloco import DiLoCoOptimizer
 from averaging.strategies.factory import build_swarm_optimizer
 from averaging.strategies.outer import outer_nesterov_step_
+from averaging.swarm import progress
 from dht.keys import SwarmKeys
+from dht.records import read_by_owner
 from tests.peers import wait_until
 
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
@@ -215,6 +218,56 @@ def test_a_state_download_that_gets_nothing_is_a_failure_not_a_success(strategy:
         if optimizer is not None:
             optimizer.shutdown()
         dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+def test_a_peer_that_spends_longer_than_its_records_life_downloading_stays_visible_to_the_swarm(strategy: str):
+    """A peer that fell behind and spends its attempts downloading accumulates no samples, and hivemind's tracker
+    stops storing its progress record. Peers leaving at --max-epochs stay only for the peers they see behind
+    (peer/runtime/leaving.py): its record must outlive the download, or they leave it with its own state."""
+    dhts = start_dhts(2)
+    downloader_dht, leaving_peers_view = dhts
+    leaving_peers_view.add_validators([RSASignatureValidator(RSAPrivateKey())])  # reads signed records, as peers do
+    optimizer = None
+    seen: List[Optional[int]] = []
+    try:
+        config = AveragingConfig(strategy=strategy, target_batch_size=8, matchmaking_seconds=1.0,
+                                 averaging_timeout_seconds=5.0, load_state_timeout_seconds=5.0)
+        model = torch.nn.Linear(4, 1)
+        optimizer = build_swarm_optimizer(config, Replica(
+            dht=downloader_dht, keys=SwarmKeys.for_run(f"downloading_{strategy}"), params=model.parameters(),
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=4, client_mode=False,
+            hooks=AveragingHooks(),
+        ), tracker_opts=dict(private_key=RSAPrivateKey()))
+        ttl = optimizer.tracker.metadata_expiration
+        attempt_seconds = ttl / 2.5  # three attempts outlast a record stored before the first
+
+        def slow_failing_download(**kwargs):
+            time.sleep(attempt_seconds)  # a donor that times out, or whose state is refused after a wait
+            raise TimeoutError("no usable state")
+
+        optimizer.state_averager.load_state_from_peers = slow_failing_download
+        optimizer.announce()  # visible once, as a peer that trained with the swarm was
+        me, key = progress.owner(optimizer.signing_key), optimizer.tracker.training_progress_key
+        wait_until(lambda: me in read_by_owner(leaving_peers_view, key), timeout=10, message="the first record")
+
+        download = threading.Thread(target=optimizer.load_state_from_peers, daemon=True)
+        started = time.monotonic()
+        download.start()
+        while download.is_alive() and time.monotonic() - started < 5 * ttl:
+            record = read_by_owner(leaving_peers_view, key).get(me)
+            seen.append(record.get("epoch") if isinstance(record, dict) else None)
+            time.sleep(1.0)
+        download.join(timeout=10)
+        assert not download.is_alive(), "the download did not return"
+        assert time.monotonic() - started > ttl  # the download outlasted the record stored before it
+        assert seen and all(epoch == optimizer.local_epoch for epoch in seen), seen
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        for dht in dhts:
+            dht.shutdown()
 
 
 @pytest.mark.timeout(90)
