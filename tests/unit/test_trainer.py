@@ -385,6 +385,25 @@ def test_a_peer_that_downloads_the_final_state_as_it_leaves_reports_the_validati
     assert rig.summary.val_loss_last == rig.trainer.validate() != rig.observer.epochs[-1][1]
 
 
+def test_a_peer_whose_last_round_lands_after_its_last_epoch_reports_the_validation_loss_of_the_landed_state(
+        tmp_path):
+    """Overlapped DiLoCo and local-sgd land their last round after the epoch it leads to began: the last epoch
+    validated the peer's own model, and the final checkpoint holds the landed average."""
+    rig = make_rig(tmp_path, max_epochs=2)
+    rig.optimizer.averages_after_epoch = True
+
+    def land_the_last_round() -> None:
+        rig.optimizer.calls.append("wait_for_background_updates")
+        with torch.no_grad():
+            for parameter in rig.model.parameters():
+                parameter.add_(1.0)
+
+    rig.optimizer.wait_for_background_updates = land_the_last_round
+    assert rig.trainer.run() == "max_epochs"
+    assert rig.summary.state_downloads == 0
+    assert rig.summary.val_loss_last == rig.trainer.validate() != rig.observer.epochs[-1][1]
+
+
 def test_an_epoch_jump_over_a_multiple_of_k_still_writes_the_checkpoint(tmp_path):
     """Epochs 1, 3, 4 (a download jumped over 2) with every 2 epochs: checkpoints at 3 and 4, not at 4 alone."""
     rig = make_rig(tmp_path, max_epochs=4, checkpoint_every_epochs=2, keep_checkpoints=5)
