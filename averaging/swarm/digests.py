@@ -23,8 +23,10 @@ The rules, the same on every peer:
   another peer published for it: the donor downloaded that state itself and serves it before its own record shows
   it; 16 peers on one machine excluded two honest donors for this) and, where other peers published for that epoch
   too, the swarm's. A donor whose state is a state nobody published lied about one or the other: its offence
-  excludes it at once (averaging/pipeline/exclusion.py). A donor whose state is not the swarm's (an honest peer that
-  drifted) is only refused for a while.
+  excludes it at once (averaging/pipeline/exclusion.py); unless it had published nothing for that epoch when the
+  state came (a peer apart publishes no digest, serves what it holds, and may then download and publish the state
+  it took): that is only unpublished. A donor whose state is not the swarm's (an honest peer that drifted) is only
+  refused for a while.
 
 One peer id claimed by two signing keys is ambiguous: both records are ignored (a forger can make a peer's
 digests unreadable, never make a wrong state acceptable).
@@ -255,6 +257,9 @@ class DigestBook:
         if published != digest:  # the watch's last read may predate the donor's record (it reads only when needed)
             self._read_swarm()
             published = self._published(donor, epoch)
+        # a donor apart from the swarm publishes no digest, and serves the state it holds; if it then downloads at
+        # that epoch, the digest it publishes is the state it took, not the one it served: unpublished, no lie
+        published_when_served = published is not None
         waited = 0.0
         # a donor that has just downloaded at this epoch serves a state its record shows a moment later: an honest
         # donor's record comes to show what it served, a liar's never does (CI: honest donors excluded without this)
@@ -264,7 +269,7 @@ class DigestBook:
             self._read_swarm()
             published = self._published(donor, epoch)
         others = {peer: digests[epoch] for peer, digests in self._swarm.items() if peer != donor and epoch in digests}
-        if published is None:
+        if published is None or (published != digest and not published_when_served):
             reason = UNPUBLISHED
         elif published != digest and digest not in others.values():
             reason = DIGEST_MISMATCH

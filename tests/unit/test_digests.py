@@ -246,6 +246,22 @@ def test_a_download_is_accepted_only_if_it_is_what_its_donor_published_and_the_s
     assert judge({A: {7: X}, C: {7: Y}}, C, 7, Y)[0] is None  # no majority among two: the donor's word stands
 
 
+def test_a_donor_apart_that_publishes_the_state_it_downloads_after_serving_its_own_is_not_taken_for_a_liar():
+    # A was apart at epoch 9 (no digest), served the state it held, then downloaded the swarm's and published that
+    swarm = {A: {8: X}, B: {9: Y}, C: {9: Y}}
+    book, _, _ = book_with(swarm, me=D)
+    reads = []
+
+    def a_downloads_meanwhile(seconds: float) -> None:
+        reads.append(seconds)
+        swarm[A][9] = Y
+
+    assert book.judge_download(A, 9, Z, sleep=a_downloads_meanwhile) == UNPUBLISHED  # refused a while, not excluded
+    assert reads  # it waited for A's digest, which came, and was not the state A had served
+    # a digest that was there when the state came, and is not that state, is a lie
+    assert judge({A: {9: X}, B: {9: Y}, C: {9: Y}}, A, 9, Z)[0] == DIGEST_MISMATCH
+
+
 def test_before_a_final_download_donors_refused_only_for_want_of_a_digest_are_asked_again():
     swarm = {A: {7: X}, B: {7: X}, C: {7: Y}}
     book, _, refused = book_with(swarm, me=D)
