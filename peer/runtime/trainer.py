@@ -212,14 +212,12 @@ class Trainer:
                 self.observer.on_leaving("max_epochs")
                 # a round still in flight (local-sgd's last parameter round) reports its outcome once it has landed
                 self.optimizer.wait_for_background_updates()
-                downloads = self.summary.state_downloads
                 self.session.leave_at_last_epoch(self.rounds.last_outcome)
-                # the summary's last validation is of the state the final checkpoint holds: the swarm's, where it
-                # downloaded it as it left, or the landed average, where its last round lands after the epoch began
-                # (overlapped DiLoCo validated its own inner model at the last epoch: 5.21 where its partner's was
-                # 3.46, and 3.41 once the round landed)
-                if self.summary.state_downloads > downloads or self.optimizer.averages_after_epoch:
-                    self.summary.val_loss_last = self.validate()
+                # the summary's last validation is of the state the final checkpoint holds, which may not be the one
+                # validated at the last epoch: the swarm's, downloaded as it left; a round that landed after the epoch
+                # began (overlapped DiLoCo validated its own inner model there: 5.21 where its partner's was 3.46, and
+                # 3.41 once the round landed); a delayed update applied as the round was waited for
+                self.summary.val_loss_last = self.validate()
                 return "max_epochs"
             if out_of_time():
                 return self._leaving("max_seconds")

@@ -387,10 +387,9 @@ def test_a_peer_that_downloads_the_final_state_as_it_leaves_reports_the_validati
 
 def test_a_peer_whose_last_round_lands_after_its_last_epoch_reports_the_validation_loss_of_the_landed_state(
         tmp_path):
-    """Overlapped DiLoCo and local-sgd land their last round after the epoch it leads to began: the last epoch
-    validated the peer's own model, and the final checkpoint holds the landed average."""
+    """Overlapped DiLoCo and local-sgd land their last round after the epoch it leads to began, and delayed updates
+    apply the last step as it is waited for: the last epoch validated another model than the final checkpoint's."""
     rig = make_rig(tmp_path, max_epochs=2)
-    rig.optimizer.averages_after_epoch = True
 
     def land_the_last_round() -> None:
         rig.optimizer.calls.append("wait_for_background_updates")
