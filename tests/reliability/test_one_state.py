@@ -114,3 +114,29 @@ async def test_peers_found_apart_at_their_last_epoch_leave_with_one_state(tmp_pa
                  if isinstance(event, StateDownloaded) and event.epoch == LAST_EPOCH]
     assert downloads, "the peer apart left with its own state"
     assert max_parameter_difference(first.model_state(), drifter.model_state()) == 0.0
+
+
+@pytest.mark.timeout(240)
+async def test_a_peer_left_behind_downloading_while_the_others_finish_is_served_before_they_leave(tmp_path: Path):
+    """The 3-peer lock-step test's failure in CI, made on purpose. Every round to epoch 6 fails, so no peer holds a
+    state it may publish a digest of; `behind` also stalls there. The other two train on in step, and `behind`
+    spends its attempts on their unpublished states while they reach --max-epochs. They must not leave before it has
+    the final state: it stores its progress record as it tries (hivemind's tracker stops storing the record of a
+    peer two epochs behind), so they see it behind and stay. Without that, it trained the last epochs alone and
+    ended 3e-2 apart."""
+    async with Swarm(tmp_path, "--task", "bytelm-tiny", "--target-batch-size", "48", fast=True) as swarm:
+        run = ("--min-peers", "3", "--max-epochs", "12")
+
+        def faults(**plan) -> Tuple[str, str]:
+            return "--inject-faults", FaultPlan(fail_round_at_epoch=5, **plan).model_dump_json()
+
+        peers = [await swarm.add(*run, *faults(), name="first"), await swarm.add(*run, *faults(), name="second"),
+                 await swarm.add(*run, *faults(stall_after_epoch=5, stall_seconds=8), name="behind")]
+        assert await swarm.all_exited(timeout=200) == [0, 0, 0]
+
+    behind = peers[2]
+    trained_alone = [event for event in behind.events if isinstance(event, RoundEnded) and event.outcome == "skipped"]
+    assert not trained_alone, f"it trained epochs alone: its partners had left\n{behind.warnings()}"
+    for peer in peers[1:]:
+        assert max_parameter_difference(peers[0].model_state(), peer.model_state()) == 0.0, (
+            f"{peer.name} ended apart\n{peer.warnings()}")
