@@ -269,10 +269,10 @@ class DigestBook:
             self._read_swarm()
             published = self._published(donor, epoch)
         others = {peer: digests[epoch] for peer, digests in self._swarm.items() if peer != donor and epoch in digests}
-        if published is None or (published != digest and not published_when_served):
+        if published is None:
             reason = UNPUBLISHED
         elif published != digest and digest not in others.values():
-            reason = DIGEST_MISMATCH
+            reason = DIGEST_MISMATCH if published_when_served else UNPUBLISHED
         else:
             others[donor] = published  # its vote is what it published, not the state it passes on
             swarm_digest = majority(others) if len(others) > 2 else None

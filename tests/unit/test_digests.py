@@ -258,6 +258,10 @@ def test_a_donor_apart_that_publishes_the_state_it_downloads_after_serving_its_o
 
     assert book.judge_download(A, 9, Z, sleep=a_downloads_meanwhile) == UNPUBLISHED  # refused a while, not excluded
     assert reads  # it waited for A's digest, which came, and was not the state A had served
+    # the swarm's state, which it held as a copy before its record showed anything, is accepted whatever it publishes
+    swarm = {A: {8: X}, B: {9: Y}, C: {9: Y}}
+    book, _, _ = book_with(swarm, me=D)
+    assert book.judge_download(A, 9, Y, sleep=lambda seconds: swarm[A].update({9: Z})) is None
     # a digest that was there when the state came, and is not that state, is a lie
     assert judge({A: {9: X}, B: {9: Y}, C: {9: Y}}, A, 9, Z)[0] == DIGEST_MISMATCH
 
