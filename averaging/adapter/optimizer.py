@@ -32,6 +32,7 @@ class HookedOptimizer(hivemind.Optimizer):
                  **kwargs):
         # before super().__init__, which builds the gradient averager
         self.error_feedback, self.weight_bound = error_feedback, weight_bound
+        self._averager_opts = dict(kwargs.get("averager_opts") or {})
         super().__init__(**kwargs)
         if self.grad_averager is not None:  # a gradient round leads to the next epoch (local SGD has none)
             gather_epochs(self.grad_averager, lambda: self.local_epoch + 1)
@@ -82,6 +83,10 @@ class HookedOptimizer(hivemind.Optimizer):
         return self.make_state_averager(**kwargs)
 
     def _make_gradient_averager(self, factory, **kwargs):
+        # upstream says averager_opts go to both averagers but passes them to the state averager only: the gradient
+        # averager, whose rounds run every epoch, kept hivemind's 3 s request timeout against a 1 s matchmaking
+        # window, which hivemind itself warns can deadlock matchmaking
+        kwargs = {**self._averager_opts, **kwargs}
         with including(self.error_feedback), including(self.weight_bound):  # the gradient averager alone
             return super()._make_gradient_averager(factory, **kwargs)
 

@@ -220,6 +220,33 @@ def test_a_state_download_that_gets_nothing_is_a_failure_not_a_success(strategy:
         dht.shutdown()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["sync", "powersgd", "diloco"])
+def test_every_averager_answers_matchmaking_requests_within_the_matchmaking_window(strategy: str):
+    """hivemind warns that a request timeout as long as the matchmaking window can deadlock matchmaking; its
+    Optimizer gave our request timeout to the state averager only, and the gradient averager kept 3 s against 1 s."""
+    dht = hivemind.DHT(start=True, host_maddrs=LOCALHOST)
+    optimizer = None
+    try:
+        config = AveragingConfig(strategy=strategy, target_batch_size=8, matchmaking_seconds=1.0,
+                                 averaging_timeout_seconds=5.0)
+        model = torch.nn.Linear(4, 1)
+        optimizer = build_swarm_optimizer(config, Replica(
+            dht=dht, keys=SwarmKeys.for_run(f"windows_{strategy}"), params=model.parameters(),
+            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=4, client_mode=False,
+            hooks=AveragingHooks(),
+        ), tracker_opts=dict(private_key=RSAPrivateKey()))
+        averagers = [optimizer.state_averager, optimizer.grad_averager]
+        assert all(averager is not None for averager in averagers)
+        for averager in averagers:
+            window = averager.matchmaking_kwargs
+            assert window["request_timeout"] < window["min_matchmaking_time"] == 1.0, window
+    finally:
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("strategy", ["sync", "diloco"])
 def test_a_peer_that_spends_longer_than_its_records_life_downloading_stays_visible_to_the_swarm(strategy: str):
