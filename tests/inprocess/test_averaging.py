@@ -50,6 +50,19 @@ def make_diloco(config, dht, model, hooks: Optional[AveragingHooks] = None, **op
     )
 
 
+def lone_optimizer(dht: hivemind.DHT, strategy: str, run_id: str, hooks: Optional[AveragingHooks] = None,
+                   **config) -> SwarmOptimizer:
+    """A peer of `strategy` over one linear layer, with its own signing key, on `dht`."""
+    model = torch.nn.Linear(4, 1)
+    return build_swarm_optimizer(AveragingConfig(
+        strategy=strategy, target_batch_size=8, matchmaking_seconds=1.0, averaging_timeout_seconds=5.0, **config,
+    ), Replica(
+        dht=dht, keys=SwarmKeys.for_run(run_id), params=model.parameters(),
+        optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=4, client_mode=False,
+        hooks=hooks or AveragingHooks(),
+    ), tracker_opts=dict(private_key=RSAPrivateKey()))
+
+
 def run_in_threads(*calls, timeout: float = 60.0) -> None:
     errors = []
 
@@ -228,14 +241,7 @@ def test_every_averager_answers_matchmaking_requests_within_the_matchmaking_wind
     dht = hivemind.DHT(start=True, host_maddrs=LOCALHOST)
     optimizer = None
     try:
-        config = AveragingConfig(strategy=strategy, target_batch_size=8, matchmaking_seconds=1.0,
-                                 averaging_timeout_seconds=5.0)
-        model = torch.nn.Linear(4, 1)
-        optimizer = build_swarm_optimizer(config, Replica(
-            dht=dht, keys=SwarmKeys.for_run(f"windows_{strategy}"), params=model.parameters(),
-            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=4, client_mode=False,
-            hooks=AveragingHooks(),
-        ), tracker_opts=dict(private_key=RSAPrivateKey()))
+        optimizer = lone_optimizer(dht, strategy, f"windows_{strategy}")
         averagers = [optimizer.state_averager, optimizer.grad_averager]
         assert all(averager is not None for averager in averagers)
         for averager in averagers:
@@ -259,14 +265,7 @@ def test_a_peer_that_spends_longer_than_its_records_life_downloading_stays_visib
     optimizer = None
     seen: List[Optional[int]] = []
     try:
-        config = AveragingConfig(strategy=strategy, target_batch_size=8, matchmaking_seconds=1.0,
-                                 averaging_timeout_seconds=5.0, load_state_timeout_seconds=5.0)
-        model = torch.nn.Linear(4, 1)
-        optimizer = build_swarm_optimizer(config, Replica(
-            dht=downloader_dht, keys=SwarmKeys.for_run(f"downloading_{strategy}"), params=model.parameters(),
-            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=4, client_mode=False,
-            hooks=AveragingHooks(),
-        ), tracker_opts=dict(private_key=RSAPrivateKey()))
+        optimizer = lone_optimizer(downloader_dht, strategy, f"downloading_{strategy}", load_state_timeout_seconds=5.0)
         ttl = optimizer.tracker.metadata_expiration
         attempt_seconds = ttl / 2.5  # three attempts outlast a record stored before the first
 
