@@ -51,9 +51,9 @@ def make_diloco(config, dht, model, hooks: Optional[AveragingHooks] = None, **op
 
 
 def lone_optimizer(dht: hivemind.DHT, strategy: str, run_id: str, hooks: Optional[AveragingHooks] = None,
-                   **config) -> SwarmOptimizer:
-    """A peer of `strategy` over one linear layer, with its own signing key, on `dht`."""
-    model = torch.nn.Linear(4, 1)
+                   model: Optional[torch.nn.Module] = None, **config) -> SwarmOptimizer:
+    """A peer of `strategy` over `model` (by default one linear layer), with its own signing key, on `dht`."""
+    model = model or torch.nn.Linear(4, 1)
     return build_swarm_optimizer(AveragingConfig(
         strategy=strategy, target_batch_size=8, matchmaking_seconds=1.0, averaging_timeout_seconds=5.0, **config,
     ), Replica(
@@ -214,13 +214,9 @@ def test_a_state_download_that_gets_nothing_is_a_failure_not_a_success(strategy:
     try:
         model = torch.nn.Linear(4, 1)
         before = [p.detach().clone() for p in model.parameters()]
-        config = AveragingConfig(strategy=strategy, target_batch_size=8, matchmaking_seconds=1.0,
-                                 averaging_timeout_seconds=5.0, load_state_timeout_seconds=5.0)
-        optimizer = build_swarm_optimizer(config, Replica(
-            dht=dht, keys=SwarmKeys.for_run(f"alone_{strategy}"), params=model.parameters(),
-            optimizer_factory=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=4, client_mode=False,
-            hooks=AveragingHooks(state_loaded=loaded_epochs.append),
-        ))
+        optimizer = lone_optimizer(dht, strategy, f"alone_{strategy}",
+                                   AveragingHooks(state_loaded=loaded_epochs.append), model=model,
+                                   load_state_timeout_seconds=5.0)
         with caplog.at_level(logging.WARNING):
             assert optimizer.load_state_from_peers() is False
         assert loaded_epochs == []  # nobody is told that state arrived
