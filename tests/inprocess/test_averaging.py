@@ -53,7 +53,7 @@ def make_diloco(config, dht, model, hooks: Optional[AveragingHooks] = None, **op
 def lone_optimizer(dht: hivemind.DHT, strategy: str, run_id: str, hooks: Optional[AveragingHooks] = None,
                    model: Optional[torch.nn.Module] = None, **config) -> SwarmOptimizer:
     """A peer of `strategy` over `model` (by default one linear layer), with its own signing key, on `dht`."""
-    model = model or torch.nn.Linear(4, 1)
+    model = torch.nn.Linear(4, 1) if model is None else model
     return build_swarm_optimizer(AveragingConfig(
         strategy=strategy, target_batch_size=8, matchmaking_seconds=1.0, averaging_timeout_seconds=5.0, **config,
     ), Replica(
