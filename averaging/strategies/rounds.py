@@ -6,14 +6,11 @@
 - Resync: a round that was partial, failed or timed out while other peers averaged leaves this peer
   apart (gradient and pseudo-gradient averaging never bring it back). It declares itself a worse
   donor than its epoch (averaging/swarm/donor.py) and downloads the state of a peer that declares its
-  epoch or later, which only a peer whose round was whole does. If no other peer's round into that
-  epoch can still be whole (none declares a whole state just before it), or none shows up within an
+  epoch or later, which only a peer whose round was whole does. If none shows up within an
   averaging timeout (by then any whole peer's round has ended), every peer's round went wrong alike,
   as when a reducer died: the apart peer with the smallest id becomes the reference and the others
-  download its state, instead of trading states at random. Not only after the timeout: until a
-  reference exists, no peer has a state the others may download (CI: three peers apart at once
-  refused each other's states for 18 s, and one fell so far behind that the others left without it).
-  After two timeouts, a peer that has still seen no donor goes on with its own state.
+  download its state, instead of trading states at random. After two timeouts, a peer that has
+  still seen no donor goes on with its own state.
 - Settling: a peer can come out of its transition one epoch behind the others for good, with other
   parameters: its round failed or timed out while theirs went on, or it was abandoned once they had all
   moved past its epoch (rounds meet only rounds that lead to the same epoch: averaging/adapter/
@@ -172,9 +169,8 @@ class RoundKeeper:
             return True
         self._next_donor_check = self.clock() + DONOR_CHECK_SECONDS
         waited, timeout = self.clock() - self._apart_since, self.deadlines.current.averaging_timeout_seconds
-        if view.reference_now or (view.smallest_apart and waited > timeout):
-            why = "none can be any more" if view.reference_now else f"none within {waited:.0f}s"
-            logger.info(f"no peer's last round was whole ({why}): this peer's state is the reference, "
+        if view.smallest_apart and waited > timeout:
+            logger.info("no peer's last round was whole: this peer's state is the reference, "
                         "the other peers apart from the swarm download it")
             become_reference()
             self._apart_since = None

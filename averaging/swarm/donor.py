@@ -9,8 +9,7 @@ whose round was partial or failed applied (partly) its own update.
   downloading then could take an apart peer's state over a whole one's: likely the 1.5e-4 of one CI run), and it waits
   for a donor that declares its epoch or later (averaging/strategies/rounds.py). When a reducer died
   mid-round, every survivor is apart: then the one with the smallest peer id among those apart at
-  the epoch becomes the reference (it declares its epoch again) and the others download its state: as soon as
-  no other peer may still end that epoch whole (`DonorView.reference_now`), or after an averaging timeout.
+  the epoch becomes the reference (it declares its epoch again) and the others download its state.
 - The final state: at the end of a run, raising the priority by DONOR_BONUS ranks a peer whose
   state is the swarm's above the others at the same epoch, and still below any peer an epoch ahead.
   Offers rank among themselves by peer id, the smallest first (`offer_priority`): hivemind breaks ties
@@ -32,7 +31,6 @@ DONOR_BONUS = 0.5
 OFFER_SPREAD = 0.25
 """Offers at an epoch declare epoch + DONOR_BONUS plus up to this much, more the smaller the offering peer's id."""
 APART_PENALTY = 1.5
-LAG_EPOCHS = 2
 VISIBLE_WITHIN_SECONDS = 5.0
 
 
@@ -56,9 +54,6 @@ class DonorView:
     """Another peer declares a state at that epoch or later: download it."""
     smallest_apart: bool
     """No peer is ahead, and this one has the smallest id among the sharing peers apart at that epoch."""
-    reference_now: bool = False
-    """No peer is ahead, and no peer near that epoch may still hold the state the others should take: this one
-    becomes the reference now, without waiting out an averaging timeout (`_leaves_the_reference_to`)."""
 
 
 def donor_view(averager: DecentralizedAverager, epoch: int, excluded: Collection[bytes] = ()) -> DonorView:
@@ -70,23 +65,7 @@ def donor_view(averager: DecentralizedAverager, epoch: int, excluded: Collection
         return DonorView(ahead=True, smallest_apart=False)
     apart = [owner for owner, priority in declared.items() if owner != me and priority == epoch - APART_PENALTY]
     shares = bool(_sharing([averager]))  # a peer that serves no state cannot be the reference
-    return DonorView(ahead=False, smallest_apart=shares and all(me < owner for owner in apart),
-                     reference_now=shares and all(_leaves_the_reference_to(me, epoch, owner, priority)
-                                                  for owner, priority in declared.items() if owner != me))
-
-
-def _leaves_the_reference_to(me: bytes, epoch: int, owner: bytes, priority: float) -> bool:
-    """Whether the peer `owner`, declaring `priority`, leaves it to this peer, apart at `epoch` with no peer ahead,
-    to become the reference now. The DHT may show a declaration LAG_EPOCHS behind its peer.
-    - A peer apart at that epoch or just before: only to a smaller id (two peers that each read the other's
-      declaration a store behind both became the reference).
-    - A peer that declares a whole state just before: no, its round into the epoch may still end whole.
-    - A peer apart ahead of this one, or offering its final state just before: no, this peer is the one behind.
-    - A peer further behind: yes, it will download."""
-    apart_at = priority + APART_PENALTY
-    if apart_at.is_integer() and epoch - LAG_EPOCHS <= apart_at <= epoch:
-        return me < owner
-    return not epoch - LAG_EPOCHS <= priority < epoch
+    return DonorView(ahead=False, smallest_apart=shares and all(me < owner for owner in apart))
 
 
 def offer_priority(epoch: int, peer_id: bytes) -> float:
