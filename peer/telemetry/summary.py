@@ -19,6 +19,7 @@ class PeerSummary(BaseModel):
     samples: int = 0
     train_loss: Optional[float] = None
     val_loss_first: Optional[float] = None
+    """Of the state it began training with: the swarm's, for a peer that downloaded it as it joined."""
     val_loss_last: Optional[float] = None
     """Of the state it left with: validated again when it downloaded the swarm's state as it left."""
     phase_seconds: Dict[str, float] = Field(default_factory=dict)

@@ -40,6 +40,13 @@ STRATEGIES = {
 }
 
 
+def swarm_start_loss(summaries: list) -> float:
+    """The validation loss the swarm trained from. A summary's first validation is of the state its peer began
+    training with: the fresh model for a peer that joined at the start, the swarm's state for one that joined late
+    and downloaded it (seen in CI, a grouped local-sgd peer that joined at epoch 2 began at 3.65, not 5.49)."""
+    return max(summary["val_loss_first"] for summary in summaries)
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", list(STRATEGIES))
 async def test_two_peers_learn_and_agree(tmp_path: Path, name: str):
@@ -59,7 +66,7 @@ async def test_two_peers_learn_and_agree(tmp_path: Path, name: str):
         assert summary["precision"] == ("bf16" if "--precision" in STRATEGIES[name] else "fp32")
         assert summary["global_epoch"] == epochs
         assert summary["averaging_rounds"]["ok"] >= 1, summary["averaging_rounds"]
-        assert summary["val_loss_last"] <= 0.9 * summary["val_loss_first"], summary
+        assert summary["val_loss_last"] <= 0.9 * swarm_start_loss(summaries), summary
     if name == "sync":  # what the peers print when their deadlines move (no event carries deadlines)
         changes = [line for line in swarm.log().splitlines() if "adaptive deadlines:" in line]
         assert changes and "averaging timeout 20.0s" not in changes[0], changes
@@ -89,7 +96,7 @@ async def test_two_peers_with_long_rounds_and_sparse_pseudo_gradients_learn_and_
         rounds = summary["averaging_rounds"]["ok"] + summary["averaging_rounds"]["partial"]
         assert rounds >= 1, summary["averaging_rounds"]
         assert summary["averaging_sent_bytes"] < 0.1 * dense_round * rounds  # replies as sparse as contributions
-        assert summary["val_loss_last"] <= 0.9 * summary["val_loss_first"], summary
+        assert summary["val_loss_last"] <= 0.9 * swarm_start_loss(summaries), summary
     assert max_parameter_difference(states[0], states[1]) == 0.0  # both applied the same decoded replies
 
 
@@ -123,13 +130,13 @@ async def test_local_sgd_in_groups_of_two_mixes_the_pairs_and_the_four_peers_end
             "--summary-dir", str(tmp_path / "summaries"), name="swarm",
         )
         assert await swarm.exit_code(timeout=220) == 0, swarm.log_tail(4000)
+    summaries = [json.loads((tmp_path / "summaries" / f"peer-{i}.json").read_text()) for i in range(peers)]
     groups = []
-    for index in range(peers):
+    for index, summary in enumerate(summaries):
         events, _ = read_events(tmp_path / "ckpt" / f"peer-{index}.events.jsonl")
         groups += [frozenset(event.group) for event in events if isinstance(event, RoundEnded) and event.group]
-        summary = json.loads((tmp_path / "summaries" / f"peer-{index}.json").read_text())
         assert summary["exit_reason"] == "max_epochs" and summary["global_epoch"] == epochs
-        assert summary["val_loss_last"] <= 0.9 * summary["val_loss_first"], summary
+        assert summary["val_loss_last"] <= 0.9 * swarm_start_loss(summaries), summary
     pairs = [group for group in groups if len(group) == 2]
     # a peer whose view of the swarm lags deals other groups (a round of three, or a whole-swarm one): not most
     assert len(pairs) > len(groups) / 2, groups
