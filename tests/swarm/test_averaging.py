@@ -10,8 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
+from hivemind.p2p import PeerID
 
-from peer.telemetry.events import RoundEnded, read_events
+from averaging.swarm.groups import round_group
+from peer.telemetry.events import EpochEnded, Ready, RoundEnded, read_events
 from peer.testing import FAST_ENV, Swarm, load_model_state, max_parameter_difference
 from tests.peers import FAST_SWARM_ARGS
 
@@ -38,6 +40,12 @@ STRATEGIES = {
     # ZeRO-Offload with delayed parameter updates (sync strategy underneath)
     "offload-delayed": ["--offload-optimizer", "--delay-updates", "--grad-compression", "fp16", *BF16],
 }
+
+
+def dealt_pair(epoch: int, members: list, index: int) -> frozenset:
+    """The peers (ids as bytes) dealt together with members[index] in the round after `epoch`, in groups of two."""
+    group = round_group(epoch, members, members[index], 2).index
+    return frozenset(peer for peer in members if round_group(epoch, members, peer, 2).index == group)
 
 
 def swarm_start_loss(summaries: list) -> float:
@@ -131,16 +139,27 @@ async def test_local_sgd_in_groups_of_two_mixes_the_pairs_and_the_four_peers_end
         )
         assert await swarm.exit_code(timeout=220) == 0, swarm.log_tail(4000)
     summaries = [json.loads((tmp_path / "summaries" / f"peer-{i}.json").read_text()) for i in range(peers)]
-    groups = []
-    for index, summary in enumerate(summaries):
-        events, _ = read_events(tmp_path / "ckpt" / f"peer-{index}.events.jsonl")
-        groups += [frozenset(event.group) for event in events if isinstance(event, RoundEnded) and event.group]
+    runs = [read_events(tmp_path / "ckpt" / f"peer-{i}.events.jsonl")[0] for i in range(peers)]
+    ids = [next(event.peer_id for event in events if isinstance(event, Ready)) for events in runs]
+    members = [PeerID.from_base58(peer).to_bytes() for peer in ids]
+    rounds, dealt_pairs = [], set()  # (the group a round formed, the pair dealt to its peer for that round)
+    for index, (summary, events) in enumerate(zip(summaries, runs)):
         assert summary["exit_reason"] == "max_epochs" and summary["global_epoch"] == epochs
         assert summary["val_loss_last"] <= 0.9 * swarm_start_loss(summaries), summary
-    pairs = [group for group in groups if len(group) == 2]
+        epoch = None
+        for event in events:
+            if isinstance(event, EpochEnded):  # a local-sgd round averages the state the epoch ended with
+                epoch = event.epoch
+            elif isinstance(event, RoundEnded) and event.group and epoch is not None:
+                dealt = dealt_pair(epoch, members, index)
+                rounds.append((frozenset(PeerID.from_base58(peer).to_bytes() for peer in event.group), dealt))
+                dealt_pairs.add(dealt)
     # a peer whose view of the swarm lags deals other groups (a round of three, or a whole-swarm one): not most
-    assert len(pairs) > len(groups) / 2, groups
-    assert len(set(pairs)) >= 3, groups  # the pairs change between rounds (two fixed pairs would be 2)
+    as_dealt = [group for group, dealt in rounds if group == dealt]
+    assert len(as_dealt) > len(rounds) / 2, rounds
+    # the pairs change between rounds as every peer deals them, from the epoch (with four peers, one run in about
+    # 200 deals the same two pairs at all six epochs: seen in CI)
+    assert len(set(as_dealt)) >= min(3, len(dealt_pairs)), rounds
     states = [load_model_state(tmp_path / "ckpt" / f"peer-{index}") for index in range(peers)]
     # each pair ends its last round with a state of its own; all four take the one that the smallest id offers
     assert all(max_parameter_difference(states[0], state) == 0.0 for state in states[1:])
