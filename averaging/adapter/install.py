@@ -14,6 +14,7 @@ from averaging.adapter import (
     allreduce,
     epoch_keys,
     grace,
+    kept_tasks,
     late_stores,
     numpy2,
     pacing,
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 PATCHES: Dict[str, Callable] = {
     **numpy2.PATCHES, **pacing.PATCHES, **recorded_steps.PATCHES, **progress_filter.PATCHES,
     **allreduce.PATCHES, **refusals.PATCHES, **epoch_keys.PATCHES, **grace.PATCHES, **late_stores.PATCHES,
+    **kept_tasks.PATCHES,
 }
 """Every upstream function the adapter replaces, by qualified name."""
 remember_originals(PATCHES)

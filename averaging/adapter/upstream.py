@@ -112,8 +112,12 @@ UPSTREAM: Dict[str, Tuple[str, str]] = {
     f"{_STATE_AVERAGER}.get_current_state": ("d2ee431a0a4b4074", "averaging/adapter/state_averager.py"),
     f"{_AVERAGER}.load_state_from_peers": ("973fae40a3d1e16f", "averaging/adapter/state_averager.py"),
     f"{_AVERAGER}.shutdown": ("0e5ce71e3b8ac3cc", "averaging/adapter/state_averager.py"),
+    # the event loops of the averager's and the DHT's processes: made where these call it, patched where they look it up
+    "hivemind.averaging.averager.switch_to_uvloop": ("04777b279a3d7fc8", "averaging/adapter/kept_tasks.py"),
+    "hivemind.dht.dht.switch_to_uvloop": ("04777b279a3d7fc8", "averaging/adapter/kept_tasks.py"),
+    f"{_AVERAGER}._run_internal": ("8f85686e1ccd3eb0", "averaging/adapter/kept_tasks.py"),
     # dht/node.py gives a DHT that has not started its own validator (dht/verdicts.py): run and add_validators use it
-    "hivemind.dht.dht.DHT.run": ("bd3a376f042d386e", "dht/node.py"),
+    "hivemind.dht.dht.DHT.run": ("bd3a376f042d386e", "dht/node.py, averaging/adapter/kept_tasks.py"),
     "hivemind.dht.dht.DHT.add_validators": ("fecf1863c55f0fd4", "dht/node.py"),
     f"{_TRACKER}._parse_swarm_progress_data": ("1b5ad87469d3c13f", "averaging/adapter/progress_filter.py"),
     f"{_TRACKER}.report_local_progress": ("9bf530c8bc98f445", "averaging/adapter/pacing.py"),
