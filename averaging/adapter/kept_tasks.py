@@ -6,8 +6,8 @@ cancels its matchmaking task and drops it (DecentralizedAverager._step). That ta
 hivemind registers by weak reference too. Nothing else refers to that chain of tasks, so the garbage collector can
 destroy it mid-await. Seen in CI: a lone peer that cancelled a round logged "Task was destroyed but it is pending!"
 for the round's three matchmaking tasks, among seven ERROR lines, and its own error was one of them. A destroyed
-task also stops short inside the matchmaking's locks and contexts (its declaration lock, its search), where the next
-round of that averager waits.
+task is also closed inside the matchmaking's locks and contexts (its declaration lock, its search), at an await in a
+`finally`, where what should release them may not run.
 
 A task factory that keeps each task in a set until it is done lets every such task finish as upstream wrote it.
 """
